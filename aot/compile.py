@@ -1,0 +1,202 @@
+"""Ahead-of-time compiler driver: Triton kernels -> cubins + PTX + a C++ table, with no GPU.
+
+    python -m aot.compile --out build/aot [--archs 80,89,90] [--jobs N]
+
+For every variant in aot/manifest.py and every architecture, `triton.compile(ASTSource(...),
+target=GPUTarget("cuda", arch, 32))` produces a cubin (and for the lowest architecture also keeps the PTX, so a
+newer GPU can still JIT it through the driver). Results are cached under `<out>/cache/` keyed by the kernel
+sources, the Triton version, the target and the options, so a rebuild compiles only what changed. Compilation runs
+in a process pool on all cores and prints `[done/total]` progress. The output is `<out>/kernels_gen.cpp`: the
+images as byte arrays plus the variant table that csrc/runtime/kernel_table.h declares.
+"""
+import argparse
+import concurrent.futures as cf
+import hashlib
+import importlib
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from aot import manifest  # noqa: E402
+
+# Argument type codes shared with csrc/runtime/kernel_table.h.
+_TYPE_CODE = {"i1": "i", "i8": "i", "i16": "i", "i32": "i", "u32": "i", "i64": "l", "u64": "l", "fp32": "f"}
+
+
+def _type_code(ty: str) -> str:
+    if ty.startswith("*"):
+        return "p"
+    if ty.startswith("tensordesc"):
+        return "t"
+    return _TYPE_CODE[ty]
+
+
+def _kernel_hash(kernel: str) -> str:
+    """Triton's own cache key of a @triton.jit function: its source and that of every jit function it calls."""
+    mod_name, fn_name = kernel.split(":")
+    return getattr(importlib.import_module(mod_name), fn_name).cache_key
+
+
+def _job_key(v: manifest.Variant, arch: int, triton_version: str) -> str:
+    desc = json.dumps({"kernel": v.kernel, "args": v.args, "meta": {k: str(x) for k, x in v.meta.items()},
+                       "spec": {k: str(x) for k, x in v.spec.items()}, "warps": v.num_warps,
+                       "stages": v.num_stages, "arch": arch, "src": _kernel_hash(v.kernel), "triton": triton_version},
+                      sort_keys=True)
+    return hashlib.sha256(desc.encode()).hexdigest()[:24]
+
+
+def _compile_one(job):
+    """Runs in a worker process: compiles one (variant, arch) and writes cubin/ptx/meta into the cache."""
+    v, arch, cache_dir, key, keep_ptx = job
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    mod_name, fn_name = v.kernel.split(":")
+    fn = getattr(importlib.import_module(mod_name), fn_name)
+    names = list(fn.arg_names)
+    signature, constexprs, attrs = {}, {}, {}
+    for name, ty in v.args:
+        spec = v.spec.get(name)
+        if isinstance(spec, tuple) and spec[0] == "eq":
+            signature[name] = "constexpr"
+            constexprs[name] = spec[1]
+        else:
+            signature[name] = ty
+            if spec == 16:
+                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    for name, value in v.meta.items():
+        signature[name] = "constexpr"
+        constexprs[name] = value
+    missing = [n for n in names if n not in signature]
+    if missing:
+        raise ValueError(f"{v.kernel}: manifest gives no value for {missing}")
+    src = ASTSource(fn, {n: signature[n] for n in names}, constexprs=constexprs, attrs=attrs)
+    t0 = time.time()
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+    md = k.metadata
+    meta = {"entry": md.name, "shared": md.shared, "num_warps": md.num_warps, "num_ctas": md.num_ctas,
+            "global_scratch_size": md.global_scratch_size, "global_scratch_align": md.global_scratch_align,
+            "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
+            "tensordesc_meta": list(getattr(md, "tensordesc_meta", None) or []),
+            "seconds": round(time.time() - t0, 2)}
+    with open(os.path.join(cache_dir, key + ".cubin"), "wb") as f:
+        f.write(k.asm["cubin"])
+    if keep_ptx:
+        with open(os.path.join(cache_dir, key + ".ptx"), "w") as f:
+            f.write(k.asm["ptx"])
+    with open(os.path.join(cache_dir, key + ".json"), "w") as f:  # written last: marks the entry complete
+        json.dump(meta, f)
+    return key
+
+
+def _incbin(sym: str, path: str, nul: bool = False) -> str:
+    """Embeds a file as a read-only symbol: the assembler reads the bytes, so a large cubin costs no C++ parsing."""
+    path = os.path.abspath(path).replace("\\", "/")
+    return (f'extern "C" const unsigned char {sym}[];\n'
+            f'__asm__(".section .rodata\\n.balign 16\\n.globl {sym}\\n.hidden {sym}\\n{sym}:\\n.incbin \\"{path}\\"\\n'
+            + ('.byte 0\\n' if nul else '') + '.previous\\n");')
+
+
+def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
+    blobs = []  # incbin declarations, at file scope
+    parts = []  # per-variant tables, inside namespace fused
+    table = []
+    for vi, v in enumerate(variants):
+        images = []
+        for arch in archs:
+            if arch not in v.archs:
+                continue
+            key = jobs_by_variant[(vi, arch)]
+            with open(os.path.join(cache_dir, key + ".json")) as f:
+                md = json.load(f)
+            cubin = os.path.join(cache_dir, key + ".cubin")
+            if md["tensordesc_meta"]:
+                raise NotImplementedError("tensor descriptors are passed by the launcher; see kernel_table.h")
+            blobs.append(_incbin(f"fused_v{vi}_sm{arch}", cubin))
+            images.append((arch, 0, f"fused_v{vi}_sm{arch}", os.path.getsize(cubin), md))
+            ptx = os.path.join(cache_dir, key + ".ptx")
+            if arch == min(v.archs) and os.path.exists(ptx):
+                blobs.append(_incbin(f"fused_v{vi}_ptx{arch}", ptx, nul=True))
+                images.append((arch, 1, f"fused_v{vi}_ptx{arch}", os.path.getsize(ptx) + 1, md))
+        img_rows = ",\n  ".join(
+            f'{{{arch}, {is_ptx}, {sym}, {size}, "{md["entry"]}", {md["shared"]}, {md["num_warps"]}, '
+            f'{md["num_ctas"]}, {md["global_scratch_size"]}, {md["global_scratch_align"]}}}'
+            for arch, is_ptx, sym, size, md in images)
+        parts.append(f"const KernelImage v{vi}_images[] = {{\n  {img_rows}}};")
+        arg_rows = []
+        for name, ty in v.args:
+            spec = v.spec.get(name)
+            if isinstance(spec, tuple) and spec[0] == "eq":
+                arg_rows.append(f'{{"{name}", \'{_type_code(ty)}\', 1, 1, {int(spec[1])}}}')
+            else:
+                arg_rows.append(f'{{"{name}", \'{_type_code(ty)}\', 0, {16 if spec == 16 else 1}, 0}}')
+        parts.append(f"const ArgSpec v{vi}_args[] = {{\n  " + ",\n  ".join(arg_rows) + "};")
+        table.append(f'{{"{v.name}", "{v.key_str}", v{vi}_args, {len(v.args)}, v{vi}_images, {len(images)}}}')
+    parts = (["// Generated by aot/compile.py: do not edit. The images are embedded from the AOT cache folder.",
+              '#include "runtime/kernel_table.h"', ""] + blobs + ["", "namespace fused {", "namespace {"] + parts)
+    parts += ["}  // namespace", "", "const KernelVariant kVariants[] = {\n  " + ",\n  ".join(table) + "};",
+              f"const size_t kNumVariants = {len(table)};",
+              "const char* const kBuiltArchs = \"" + ", ".join(f"sm_{a}" for a in archs) +
+              f" (+PTX sm_{min(archs)})\";",
+              "}  // namespace fused", ""]
+    tmp = out_path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(parts))
+    os.replace(tmp, out_path)
+
+
+def build(out_dir: str, archs=manifest.ARCHS, jobs=None, quiet=False) -> str:
+    import triton
+
+    os.makedirs(out_dir, exist_ok=True)
+    cache_dir = os.path.join(out_dir, "cache")
+    os.makedirs(cache_dir, exist_ok=True)
+    variants = manifest.variants()
+    todo, jobs_by_variant, total = [], {}, 0
+    for vi, v in enumerate(variants):
+        for arch in archs:
+            if arch not in v.archs:
+                continue
+            key = _job_key(v, arch, triton.__version__)
+            jobs_by_variant[(vi, arch)] = key
+            total += 1
+            if not os.path.exists(os.path.join(cache_dir, key + ".json")):
+                todo.append((v, arch, cache_dir, key, arch == min(v.archs)))
+    done = total - len(todo)
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    say(f"[aot] triton {triton.__version__}: {total} kernel images for {', '.join(f'sm_{a}' for a in archs)}; "
+        f"{done} cached, {len(todo)} to compile")
+    if todo:
+        jobs = jobs or os.cpu_count() or 1
+        t0 = time.time()
+        with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_compile_one, j): j for j in todo}
+            for fut in cf.as_completed(futures):
+                v, arch = futures[fut][0], futures[fut][1]
+                fut.result()  # re-raises a compile error with its traceback
+                done += 1
+                say(f"[aot] [{done}/{total}] {v.name} {v.key_str} sm_{arch} ({time.time() - t0:.0f}s)")
+    out_path = os.path.join(out_dir, "kernels_gen.cpp")
+    _generate(variants, archs, jobs_by_variant, cache_dir, out_path)
+    say(f"[aot] wrote {out_path}")
+    return out_path
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "build", "aot"))
+    p.add_argument("--archs", default=",".join(str(a) for a in manifest.ARCHS))
+    p.add_argument("--jobs", type=int, default=None)
+    a = p.parse_args()
+    build(a.out, tuple(int(x) for x in a.archs.split(",")), a.jobs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+// CUDA implementation of RoPE: validates, then launches the AOT-compiled kernels/rope.py:rope_kernel.
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "ops/rope.h"
+#include "ops/torch_launch.h"
+
+namespace fused {
+namespace {
+
+// Flag bits shared with kernels/rope.py.
+constexpr int kBshd = 1, kBackward = 2, kHasStart = 4, kCopyPass = 8;
+
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "fp32";
+    case at::kHalf: return "fp16";
+    case at::kBFloat16: return "bf16";
+    default: TORCH_CHECK(false, "rope: unsupported dtype ", t, " on CUDA (float32, float16, bfloat16)");
+  }
+}
+
+void check_cuda_tensor(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.is_cuda(), "rope: ", what, " must be a CUDA tensor, got one on ", x.device());
+}
+
+// One launch over `rows` token rows: x -> out, and x2 -> out2 when x2 is defined (same positions).
+void launch_rope(const RopeGeometry& g, const RopeOptions& o, const at::Tensor& freqs, const at::Tensor& x,
+                 const at::Tensor& out, const at::Tensor& x2, const at::Tensor& out2, bool backward, bool copy_pass) {
+  if (g.rows == 0 || g.H == 0 || g.D == 0) return;
+  const bool second = x2.defined();
+  const bool thd = g.format == RopeFormat::THD;
+  at::Tensor f = freqs.stride(3) == 1 ? freqs : freqs.contiguous();
+  const at::Tensor& cu = thd ? *o.cu_seqlens : x;  // unused pointers get any valid address
+  const at::Tensor& sp = o.start_positions.has_value() ? *o.start_positions : x;
+  int flags = (g.format == RopeFormat::BSHD ? kBshd : 0) | (backward ? kBackward : 0) |
+              (o.start_positions.has_value() ? kHasStart : 0) | (copy_pass ? kCopyPass : 0);
+
+  KernelArgs a;
+  a.ptr(x.data_ptr()).ptr(out.data_ptr()).ptr(second ? x2.data_ptr() : x.data_ptr())
+      .ptr(second ? out2.data_ptr() : out.data_ptr()).ptr(f.data_ptr()).ptr(cu.data_ptr()).ptr(sp.data_ptr());
+  a.i32(g.S).i32(g.B).i32(g.H).i32(second ? x2.size(thd ? 1 : 2) : 0).i32(g.D).i32(g.D2 / 2).i32(g.s_max)
+      .i64(f.stride(0));
+  for (const at::Tensor* tensor : {&x, &out, second ? &x2 : &x, second ? &out2 : &out})
+    for (int64_t s : rope_strides(*tensor, g.format)) a.i64(s);
+  a.i32(o.cp_size).i32(o.cp_rank).i32(flags);
+
+  std::string key = std::string("dtype=") + dtype_name(x.scalar_type()) + ",interleaved=" +
+                    (o.interleaved ? "1" : "0") + ",second=" + (second ? "1" : "0") + ",thd=" + (thd ? "1" : "0");
+  launch_on_current_stream("rope_kernel", key, a, Grid{static_cast<uint32_t>(g.rows), 1, 1}, x);
+}
+
+RopeGeometry check_cuda_inputs(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o,
+                               const char* what) {
+  check_cuda_tensor(t, what);
+  RopeGeometry g = check_rope_inputs(t, freqs, o, what);
+  dtype_name(t.scalar_type());
+  TORCH_CHECK(g.rows <= std::numeric_limits<int32_t>::max(), "rope: too many tokens (", g.rows, ") for one launch");
+  // Reading cu_seqlens / start_positions costs a device-to-host copy; never during CUDA graph capture.
+  if (sync_checks_enabled() && (o.cu_seqlens.has_value() || o.start_positions.has_value()) &&
+      !current_stream_is_capturing(t))
+    check_rope_values(g, o);
+  return g;
+}
+
+}  // namespace
+
+at::Tensor rope_cuda(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o, bool backward) {
+  const char* what = backward ? "grad_output" : "t";
+  RopeGeometry g = check_cuda_inputs(t, freqs, o, what);
+  c10::cuda::CUDAGuard guard(t.device());
+  at::Tensor out = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  launch_rope(g, o, freqs, t, out, at::Tensor(), at::Tensor(), backward, /*copy_pass=*/true);
+  return out;
+}
+
+void rope_inplace_cuda(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o) {
+  RopeGeometry g = check_cuda_inputs(t, freqs, o, "t");
+  TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes,
+              "rope: the in-place rope_fwd_ needs t without internal overlap (e.g. not an expanded tensor)");
+  c10::cuda::CUDAGuard guard(t.device());
+  launch_rope(g, o, freqs, t, t, at::Tensor(), at::Tensor(), /*backward=*/false, /*copy_pass=*/false);
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_qk_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs,
+                                                const RopeOptions& o, bool backward) {
+  RopeGeometry g = check_cuda_inputs(q, freqs, o, "q");
+  RopeGeometry gk = check_rope_inputs(k, freqs, o, "k");
+  check_cuda_tensor(k, "k");
+  TORCH_CHECK(k.device() == q.device(), "rope: k is on ", k.device(), " but q is on ", q.device());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "rope: k has dtype ", k.scalar_type(), " but q has ",
+              q.scalar_type());
+  TORCH_CHECK(gk.rows == g.rows && gk.S == g.S && gk.B == g.B && gk.D == g.D,
+              "rope: q and k must agree in every dimension but heads, got q ", q.sizes(), " and k ", k.sizes());
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor qo = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor ko = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
+  launch_rope(g, o, freqs, q, qo, k, ko, backward, /*copy_pass=*/true);
+  return {qo, ko};
+}
+
+}  // namespace fused

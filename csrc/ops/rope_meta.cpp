@@ -1,0 +1,36 @@
+// Meta (shape) kernels of the rope ops: torch.compile, torch.export and fake tensors trace through them.
+#include <torch/library.h>
+
+#include "ops/rope.h"
+
+namespace {
+using at::Tensor;
+
+Tensor like(const Tensor& t) { return at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous)); }
+
+Tensor fwd(const Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  fused::check_rope_inputs(t, freqs, FUSED_ROPE_OPTS, "t");
+  return like(t);
+}
+Tensor bwd(const Tensor& g, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  fused::check_rope_inputs(g, freqs, FUSED_ROPE_OPTS, "grad_output");
+  return like(g);
+}
+Tensor fwd_(Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  fused::check_rope_inputs(t, freqs, FUSED_ROPE_OPTS, "t");
+  return t;
+}
+std::tuple<Tensor, Tensor> qk(const Tensor& q, const Tensor& k, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  fused::check_rope_inputs(q, freqs, FUSED_ROPE_OPTS, "q");
+  fused::check_rope_inputs(k, freqs, FUSED_ROPE_OPTS, "k");
+  return {like(q), like(k)};
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused, Meta, m) {
+  m.impl("rope_fwd", fwd);
+  m.impl("rope_bwd", bwd);
+  m.impl("rope_fwd_", fwd_);
+  m.impl("rope_fwd_qk", qk);
+  m.impl("rope_bwd_qk", qk);
+}

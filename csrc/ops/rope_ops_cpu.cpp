@@ -1,0 +1,44 @@
+// CPU kernels of the rope ops (the ATen reference in rope_cpu.cpp).
+#include <torch/library.h>
+
+#include "ops/rope.h"
+
+namespace {
+using at::Tensor;
+
+Tensor fwd(const Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  return fused::rope_cpu(t, freqs, FUSED_ROPE_OPTS, false);
+}
+Tensor bwd(const Tensor& g, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  return fused::rope_cpu(g, freqs, FUSED_ROPE_OPTS, true);
+}
+Tensor fwd_(Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  t.copy_(fused::rope_cpu(t, freqs, FUSED_ROPE_OPTS, false));
+  return t;
+}
+std::tuple<Tensor, Tensor> qk(const Tensor& q, const Tensor& k, const Tensor& freqs, bool backward,
+                              const fused::RopeOptions& o) {
+  TORCH_CHECK(k.device() == q.device(), "rope: k is on ", k.device(), " but q is on ", q.device());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "rope: k has dtype ", k.scalar_type(), " but q has ",
+              q.scalar_type());
+  auto gq = fused::check_rope_inputs(q, freqs, o, "q");
+  auto gk = fused::check_rope_inputs(k, freqs, o, "k");
+  TORCH_CHECK(gk.rows == gq.rows && gk.S == gq.S && gk.B == gq.B && gk.D == gq.D,
+              "rope: q and k must agree in every dimension but heads, got q ", q.sizes(), " and k ", k.sizes());
+  return {fused::rope_cpu(q, freqs, o, backward), fused::rope_cpu(k, freqs, o, backward)};
+}
+std::tuple<Tensor, Tensor> fwd_qk(const Tensor& q, const Tensor& k, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  return qk(q, k, freqs, false, FUSED_ROPE_OPTS);
+}
+std::tuple<Tensor, Tensor> bwd_qk(const Tensor& q, const Tensor& k, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  return qk(q, k, freqs, true, FUSED_ROPE_OPTS);
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused, CPU, m) {
+  m.impl("rope_fwd", fwd);
+  m.impl("rope_bwd", bwd);
+  m.impl("rope_fwd_", fwd_);
+  m.impl("rope_fwd_qk", fwd_qk);
+  m.impl("rope_bwd_qk", bwd_qk);
+}

@@ -1,0 +1,24 @@
+#include "ops/torch_launch.h"
+
+#include <c10/cuda/CUDAStream.h>
+
+namespace fused {
+
+void launch_on_current_stream(const char* kernel, const std::string& key, const KernelArgs& args, Grid grid,
+                              const at::Tensor& like) {
+  const int device = like.get_device();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  at::Tensor scratch_holder;  // stream-ordered: freed memory is reused only by later work on this stream
+  ScratchAllocator scratch = [&](size_t bytes) -> void* {
+    scratch_holder = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+    return scratch_holder.data_ptr();
+  };
+  launch(kernel, key, args, grid, reinterpret_cast<CUstream>(stream), device, scratch);
+}
+
+bool current_stream_is_capturing(const at::Tensor& like) {
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.get_device()).stream();
+  return stream_is_capturing(reinterpret_cast<CUstream>(stream));
+}
+
+}  // namespace fused

@@ -1,0 +1,45 @@
+// The table of AOT-compiled kernels that aot/compile.py generates (build/aot/kernels_gen.cpp).
+// Framework-free: no torch here.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace fused {
+
+// One call argument of a kernel, as the manifest declares it.
+struct ArgSpec {
+  const char* name;
+  char type;         // 'p' device pointer, 'i' int32, 'l' int64, 'f' float32
+  int is_constant;   // compiled in as `value`: not passed, but the caller must supply exactly `value`
+  int divisibility;  // 16: the value (a pointer: its address in bytes) must be divisible by 16
+  int64_t value;
+};
+
+// One compiled image of a variant: a cubin for one architecture, or PTX that the driver compiles.
+struct KernelImage {
+  int arch;  // 90 means sm_90(a)
+  int is_ptx;
+  const unsigned char* data;
+  size_t size;
+  const char* entry;
+  int shared_bytes;
+  int num_warps;
+  int num_ctas;
+  int global_scratch_size;  // bytes per program; the launcher allocates it when non-zero
+  int global_scratch_align;
+};
+
+struct KernelVariant {
+  const char* kernel;  // the @triton.jit function's name
+  const char* key;     // "dtype=bf16,thd=0,..." (keys sorted)
+  const ArgSpec* args;
+  int num_args;
+  const KernelImage* images;
+  int num_images;
+};
+
+extern const KernelVariant kVariants[];
+extern const size_t kNumVariants;
+extern const char* const kBuiltArchs;
+
+}  // namespace fused

@@ -1,0 +1,232 @@
+#include "runtime/launcher.h"
+
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <unordered_map>
+
+#include "runtime/kernel_table.h"
+
+namespace fused {
+
+KernelArgs& KernelArgs::i32(int64_t v) {
+  if (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max())
+    throw std::invalid_argument("fused: kernel argument " + std::to_string(items_.size()) + " = " +
+                                std::to_string(v) + " does not fit in int32 (tensor too large for this kernel)");
+  return push('i', static_cast<uint32_t>(static_cast<int32_t>(v)));
+}
+
+KernelArgs& KernelArgs::f32(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return push('f', bits);
+}
+
+namespace {
+
+struct Device {
+  int major = -1, minor = -1;
+  int max_shared_optin = 0;
+  std::string name;
+};
+
+struct LoadedFunction {
+  CUfunction fn;
+  const KernelImage* image;
+};
+
+struct PairHash {
+  size_t operator()(const std::pair<const void*, const void*>& p) const {
+    return std::hash<const void*>()(p.first) * 31 + std::hash<const void*>()(p.second);
+  }
+};
+
+std::mutex g_mutex;  // guards the caches below; module loading happens under it (first use only)
+std::unordered_map<int, Device> g_devices;
+std::unordered_map<std::pair<const void*, const void*>, LoadedFunction, PairHash> g_functions;
+
+const std::unordered_map<std::string, std::vector<const KernelVariant*>>& variant_index() {
+  static const auto* index = [] {
+    auto* m = new std::unordered_map<std::string, std::vector<const KernelVariant*>>();
+    for (size_t i = 0; i < kNumVariants; ++i)
+      (*m)[std::string(kVariants[i].kernel) + "|" + kVariants[i].key].push_back(&kVariants[i]);
+    return m;
+  }();
+  return *index;
+}
+
+const Device& device_info(const DriverApi& api, int ordinal) {  // g_mutex held
+  auto it = g_devices.find(ordinal);
+  if (it != g_devices.end()) return it->second;
+  CUdevice dev;
+  check(api.DeviceGet(&dev, ordinal), "cuDeviceGet");
+  Device d;
+  check(api.DeviceGetAttribute(&d.major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute");
+  check(api.DeviceGetAttribute(&d.minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute");
+  check(api.DeviceGetAttribute(&d.max_shared_optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev),
+        "cuDeviceGetAttribute");
+  char name[256] = {0};
+  check(api.DeviceGetName(name, sizeof name - 1, dev), "cuDeviceGetName");
+  d.name = name;
+  return g_devices.emplace(ordinal, d).first->second;
+}
+
+// The cubin built for this exact architecture, else one of the same major version and a lower minor (binary
+// compatible), else PTX of an architecture not above the device's (the driver compiles it), else nothing.
+const KernelImage* choose_image(const KernelVariant& v, const Device& d) {
+  const int cc = d.major * 10 + d.minor;
+  const KernelImage* best = nullptr;
+  for (int i = 0; i < v.num_images; ++i) {
+    const KernelImage& im = v.images[i];
+    if (!im.is_ptx && im.arch / 10 == d.major && im.arch <= cc && (!best || im.arch > best->arch)) best = &im;
+  }
+  if (best) return best;
+  for (int i = 0; i < v.num_images; ++i)
+    if (v.images[i].is_ptx && v.images[i].arch <= cc) return &v.images[i];
+  return nullptr;
+}
+
+CUcontext current_context(const DriverApi& api, int device) {
+  CUcontext ctx = nullptr;
+  check(api.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (ctx) {
+    CUdevice cur;
+    check(api.CtxGetDevice(&cur), "cuCtxGetDevice");
+    CUdevice want;
+    check(api.DeviceGet(&want, device), "cuDeviceGet");
+    if (cur == want) return ctx;
+  }
+  // No context (or another device's) is current on this thread: use the device's primary context, as the CUDA
+  // runtime (and so torch) does.
+  CUdevice dev;
+  check(api.DeviceGet(&dev, device), "cuDeviceGet");
+  check(api.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  check(api.CtxSetCurrent(ctx), "cuCtxSetCurrent");
+  return ctx;
+}
+
+LoadedFunction get_function(const DriverApi& api, const KernelVariant& v, int device) {
+  CUcontext ctx = current_context(api, device);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto key = std::make_pair(static_cast<const void*>(&v), static_cast<const void*>(ctx));
+  auto it = g_functions.find(key);
+  if (it != g_functions.end()) return it->second;
+  const Device& d = device_info(api, device);
+  const KernelImage* im = choose_image(v, d);
+  if (!im)
+    throw CudaError("fused: kernel " + std::string(v.kernel) + " has no image for device " + std::to_string(device) +
+                    " (" + d.name + ", sm_" + std::to_string(d.major) + std::to_string(d.minor) +
+                    "); this build holds " + kBuiltArchs + ". Rebuild with FUSED_ARCHS including this GPU.");
+  if (im->shared_bytes > d.max_shared_optin)
+    throw CudaError("fused: kernel " + std::string(v.kernel) + " needs " + std::to_string(im->shared_bytes) +
+                    " bytes of shared memory; device " + std::to_string(device) + " allows " +
+                    std::to_string(d.max_shared_optin));
+  CUmodule mod;
+  check(api.ModuleLoadData(&mod, im->data), im->is_ptx ? "cuModuleLoadData (PTX JIT)" : "cuModuleLoadData");
+  CUfunction fn;
+  check(api.ModuleGetFunction(&fn, mod, im->entry), "cuModuleGetFunction");
+  if (im->shared_bytes > 48 * 1024)
+    check(api.FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, im->shared_bytes),
+          "cuFuncSetAttribute");
+  LoadedFunction lf{fn, im};
+  g_functions.emplace(key, lf);  // modules live as long as their context: never unloaded
+  return lf;
+}
+
+// Whether `args` satisfy v's assumptions. Throws if the types disagree (a launcher bug, not a user error).
+bool accepts(const KernelVariant& v, const KernelArgs& args) {
+  const auto& items = args.items();
+  if (static_cast<int>(items.size()) != v.num_args)
+    throw std::logic_error("fused: launcher of " + std::string(v.kernel) + " passes " + std::to_string(items.size()) +
+                           " arguments, the kernel takes " + std::to_string(v.num_args));
+  for (int i = 0; i < v.num_args; ++i) {
+    const ArgSpec& a = v.args[i];
+    if (items[i].type != a.type)
+      throw std::logic_error("fused: launcher of " + std::string(v.kernel) + " passes argument " + a.name +
+                             " as '" + items[i].type + "', the kernel expects '" + a.type + "'");
+    int64_t value = a.type == 'i' ? static_cast<int32_t>(items[i].bits) : static_cast<int64_t>(items[i].bits);
+    if (a.is_constant && value != a.value) return false;
+    if (a.divisibility > 1 && value % a.divisibility != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool has_variant(const char* kernel, const std::string& key) {
+  return variant_index().count(std::string(kernel) + "|" + key) != 0;
+}
+
+const char* built_archs() { return kBuiltArchs; }
+
+bool stream_is_capturing(CUstream stream) {
+  CUstreamCaptureStatus status;
+  check(driver().StreamIsCapturing(stream, &status), "cuStreamIsCapturing");
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+void launch(const char* kernel, const std::string& key, const KernelArgs& args, Grid grid, CUstream stream,
+            int device, const ScratchAllocator& scratch) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  auto it = variant_index().find(std::string(kernel) + "|" + key);
+  if (it == variant_index().end())
+    throw std::invalid_argument("fused: no compiled variant of " + std::string(kernel) + " for " + key);
+  const KernelVariant* chosen = nullptr;
+  for (const KernelVariant* v : it->second)
+    if (accepts(*v, args)) {
+      chosen = v;
+      break;
+    }
+  if (!chosen)
+    throw std::invalid_argument("fused: no compiled variant of " + std::string(kernel) + " for " + key +
+                                " accepts these arguments (alignment or strides)");
+  if (grid.y > 65535 || grid.z > 65535 || grid.x > 0x7fffffffu)
+    throw std::invalid_argument("fused: grid too large for " + std::string(kernel));
+
+  const DriverApi& api = driver();
+  LoadedFunction lf = get_function(api, *chosen, device);
+
+  // Pack the runtime parameters: the non-constant arguments in order, then Triton's two scratch pointers.
+  const auto& items = args.items();
+  uint64_t slots[64];
+  void* params[66];
+  int n = 0;
+  for (int i = 0; i < chosen->num_args; ++i) {
+    if (chosen->args[i].is_constant) continue;
+    slots[n] = items[i].bits;
+    params[n] = &slots[n];
+    ++n;
+  }
+  CUdeviceptr global_scratch = 0, profile_scratch = 0;
+  if (lf.image->global_scratch_size > 0) {
+    if (!scratch) throw std::logic_error("fused: kernel " + std::string(kernel) + " needs global scratch");
+    size_t programs = size_t(grid.x) * grid.y * grid.z * lf.image->num_ctas;
+    global_scratch = reinterpret_cast<CUdeviceptr>(scratch(programs * lf.image->global_scratch_size));
+  }
+  params[n++] = &global_scratch;
+  params[n++] = &profile_scratch;
+
+  CUlaunchConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  CUlaunchAttribute attrs[2];
+  cfg.gridDimX = grid.x * lf.image->num_ctas;
+  cfg.gridDimY = grid.y;
+  cfg.gridDimZ = grid.z;
+  cfg.blockDimX = 32 * lf.image->num_warps;
+  cfg.blockDimY = 1;
+  cfg.blockDimZ = 1;
+  cfg.sharedMemBytes = lf.image->shared_bytes;
+  cfg.hStream = stream;
+  if (lf.image->num_ctas > 1) {
+    std::memset(attrs, 0, sizeof attrs);
+    attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attrs[0].value.clusterDim.x = lf.image->num_ctas;
+    attrs[0].value.clusterDim.y = 1;
+    attrs[0].value.clusterDim.z = 1;
+    cfg.attrs = attrs;
+    cfg.numAttrs = 1;
+  }
+  check(api.LaunchKernelEx(&cfg, lf.fn, params, nullptr), (std::string("launching ") + kernel).c_str());
+}
+
+}  // namespace fused

@@ -1,0 +1,63 @@
+// Launching AOT-compiled Triton kernels: variant choice, per-context module cache, typed arguments.
+// Framework-free: raw pointers, sizes and a CUstream. Every failure throws fused::CudaError.
+#pragma once
+#include <cuda.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "runtime/cuda_driver.h"
+
+namespace fused {
+
+// A kernel's call arguments in the manifest's order (aot/manifest.py). Types are checked against the variant
+// table at launch, so a launcher that drifts from its kernel gets an error, not a corrupt launch.
+class KernelArgs {
+ public:
+  KernelArgs() { items_.reserve(48); }
+  KernelArgs& ptr(const void* p) { return push('p', reinterpret_cast<uint64_t>(p)); }
+  KernelArgs& i32(int64_t v);  // throws if v does not fit in int32
+  KernelArgs& i64(int64_t v) { return push('l', static_cast<uint64_t>(v)); }
+  KernelArgs& f32(float v);
+
+  struct Item {
+    char type;
+    uint64_t bits;  // the value's bytes, little-endian, in the low bytes
+  };
+  const std::vector<Item>& items() const { return items_; }
+
+ private:
+  KernelArgs& push(char t, uint64_t bits) {
+    items_.push_back({t, bits});
+    return *this;
+  }
+  std::vector<Item> items_;
+};
+
+// Allocates `bytes` of device memory that stays valid until the kernel has run on the stream (torch's caching
+// allocator in the torch layer). Only kernels that need global scratch call it.
+using ScratchAllocator = std::function<void*(size_t bytes)>;
+
+struct Grid {
+  uint32_t x = 1, y = 1, z = 1;
+};
+
+// Launches kernel `kernel` (the @triton.jit name) with variant key `key` ("dtype=bf16,thd=0,..."): takes the
+// first compiled variant whose assumptions (alignment, constant arguments) the arguments satisfy, loads its image
+// for `device` (a CUDA ordinal) in the current context if not loaded yet, and launches it on `stream`.
+// An empty grid launches nothing.
+void launch(const char* kernel, const std::string& key, const KernelArgs& args, Grid grid, CUstream stream,
+            int device, const ScratchAllocator& scratch = nullptr);
+
+// Whether any variant was compiled for (kernel, key): lets ops give a clear error for unsupported combinations.
+bool has_variant(const char* kernel, const std::string& key);
+
+// Whether `stream` is capturing a CUDA graph.
+bool stream_is_capturing(CUstream stream);
+
+// "sm_80, sm_89, sm_90 (+PTX sm_80)": the architectures this build holds.
+const char* built_archs();
+
+}  // namespace fused

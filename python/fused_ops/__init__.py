@@ -1,0 +1,40 @@
+"""fused_ops: AOT-compiled Triton kernels for transformer blocks, registered as ``torch.ops.fused.*``.
+
+Importing this package loads the op library (``_C``), which registers every op with the CPU, CUDA, Meta and
+Autograd dispatch keys. Nothing here imports Triton: the CUDA kernels were compiled when the package was built.
+"""
+import glob as _glob
+import os as _os
+
+import torch as _torch
+
+
+def _load_library():
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    libs = sorted(_glob.glob(_os.path.join(here, "_C*.so")))
+    if not libs:
+        raise ImportError(f"fused_ops: the compiled op library (_C*.so) is missing from {here}; "
+                          "install the package with `pip install --no-build-isolation .`")
+    _torch.ops.load_library(libs[0])
+    return libs[0]
+
+
+library_path = _load_library()
+
+from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb, apply_rotary_pos_emb_qk  # noqa: E402
+
+
+def set_sync_checks(enabled: bool) -> bool:
+    """Turns on/off the input checks that read device memory (cu_seqlens, start_positions), which cost a host
+    sync on CUDA; returns the previous setting. Off: invalid values give undefined results (never out-of-bounds
+    accesses). The checks are always skipped during CUDA graph capture."""
+    return _torch.ops.fused.set_sync_checks(enabled)
+
+
+def built_archs() -> str:
+    """The GPU architectures this build holds kernels for."""
+    return _torch.ops.fused.built_archs()
+
+
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "set_sync_checks",
+           "built_archs", "library_path"]
