@@ -104,6 +104,19 @@ def _incbin(sym: str, path: str, nul: bool = False) -> str:
             + ('.byte 0\\n' if nul else '') + '.previous\\n");')
 
 
+# Triton's device-side TMA dtype enum differs from the driver's CUtensorMapDataType in three places.
+_TMA_DTYPE_DEVICE_TO_HOST = {8: 10, 9: 8, 10: 9}
+
+
+def _tma_row(m) -> str:
+    box = list(m["block_size"])
+    host_type = _TMA_DTYPE_DEVICE_TO_HOST.get(m["elem_type"], m["elem_type"])
+    if m.get("fp4_padded"):
+        raise NotImplementedError("fp4-padded tensor descriptors")
+    return (f'{{{m["swizzle"]}, {m["elem_size"]}, {host_type}, {len(box)}, '
+            f'{{{", ".join(str(b) for b in box + [0] * (5 - len(box)))}}}}}')
+
+
 def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
     blobs = []  # incbin declarations, at file scope
     parts = []  # per-variant tables, inside namespace fused
@@ -117,18 +130,26 @@ def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
             with open(os.path.join(cache_dir, key + ".json")) as f:
                 md = json.load(f)
             cubin = os.path.join(cache_dir, key + ".cubin")
-            if md["tensordesc_meta"]:
-                raise NotImplementedError("tensor descriptors are passed by the launcher; see kernel_table.h")
+            n_desc = sum(1 for _, ty in v.args if ty.startswith("tensordesc"))
+            if len(md["tensordesc_meta"]) != n_desc:
+                raise RuntimeError(f"{v.name} sm_{arch}: {n_desc} tensor descriptor arguments but the compiler "
+                                   f"reports {len(md['tensordesc_meta'])} lowered to TMA; only TMA lowering is supported")
             blobs.append(_incbin(f"fused_v{vi}_sm{arch}", cubin))
             images.append((arch, 0, f"fused_v{vi}_sm{arch}", os.path.getsize(cubin), md))
             ptx = os.path.join(cache_dir, key + ".ptx")
             if arch == min(v.archs) and os.path.exists(ptx):
                 blobs.append(_incbin(f"fused_v{vi}_ptx{arch}", ptx, nul=True))
                 images.append((arch, 1, f"fused_v{vi}_ptx{arch}", os.path.getsize(ptx) + 1, md))
-        img_rows = ",\n  ".join(
-            f'{{{arch}, {is_ptx}, {sym}, {size}, "{md["entry"]}", {md["shared"]}, {md["num_warps"]}, '
-            f'{md["num_ctas"]}, {md["global_scratch_size"]}, {md["global_scratch_align"]}}}'
-            for arch, is_ptx, sym, size, md in images)
+        rows = []
+        for ii, (arch, is_ptx, sym, size, md) in enumerate(images):
+            tma = "nullptr"
+            if md["tensordesc_meta"]:
+                tma = f"v{vi}_tma{ii}"
+                parts.append(f"const TmaMeta {tma}[] = {{" + ", ".join(_tma_row(m) for m in md["tensordesc_meta"]) + "};")
+            rows.append(f'{{{arch}, {is_ptx}, {sym}, {size}, "{md["entry"]}", {md["shared"]}, {md["num_warps"]}, '
+                        f'{md["num_ctas"]}, {md["global_scratch_size"]}, {md["global_scratch_align"]}, {tma}, '
+                        f'{len(md["tensordesc_meta"])}}}')
+        img_rows = ",\n  ".join(rows)
         parts.append(f"const KernelImage v{vi}_images[] = {{\n  {img_rows}}};")
         arg_rows = []
         for name, ty in v.args:

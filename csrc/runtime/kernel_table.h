@@ -9,10 +9,20 @@ namespace fused {
 // One call argument of a kernel, as the manifest declares it.
 struct ArgSpec {
   const char* name;
-  char type;         // 'p' device pointer, 'i' int32, 'l' int64, 'f' float32
+  char type;         // 'p' device pointer, 'i' int32, 'l' int64, 'f' float32, 't' tensor descriptor
   int is_constant;   // compiled in as `value`: not passed, but the caller must supply exactly `value`
   int divisibility;  // 16: the value (a pointer: its address in bytes) must be divisible by 16
   int64_t value;
+};
+
+// How the compiler lowered one tensor-descriptor argument (Triton's tensordesc_meta): the launcher encodes the
+// CUtensorMap from this at launch time, since the swizzle and box size are the compiler's choice.
+struct TmaMeta {
+  int swizzle;      // CUtensorMapSwizzle (3 = 128 bytes)
+  int elem_bytes;
+  int elem_type;    // CUtensorMapDataType (host enum)
+  int rank;
+  uint32_t box[5];  // block size, outermost first
 };
 
 // One compiled image of a variant: a cubin for one architecture, or PTX that the driver compiles.
@@ -27,6 +37,8 @@ struct KernelImage {
   int num_ctas;
   int global_scratch_size;  // bytes per program; the launcher allocates it when non-zero
   int global_scratch_align;
+  const TmaMeta* tma;  // one per tensor-descriptor argument, in argument order
+  int num_tma;
 };
 
 struct KernelVariant {

@@ -22,11 +22,19 @@ KernelArgs& KernelArgs::f32(float v) {
   return push('f', bits);
 }
 
+KernelArgs& KernelArgs::tensor(const void* base, std::vector<int64_t> shape, std::vector<int64_t> strides) {
+  if (shape.empty() || shape.size() > 5 || shape.size() != strides.size())
+    throw std::invalid_argument("fused: a tensor descriptor needs 1 to 5 dimensions with one stride each");
+  descs_.push_back({base, std::move(shape), std::move(strides)});
+  return push('t', descs_.size() - 1);
+}
+
 namespace {
 
 struct Device {
   int major = -1, minor = -1;
   int max_shared_optin = 0;
+  int sm_count = 0;
   std::string name;
 };
 
@@ -65,6 +73,7 @@ const Device& device_info(const DriverApi& api, int ordinal) {  // g_mutex held
   check(api.DeviceGetAttribute(&d.minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute");
   check(api.DeviceGetAttribute(&d.max_shared_optin, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev),
         "cuDeviceGetAttribute");
+  check(api.DeviceGetAttribute(&d.sm_count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute");
   char name[256] = {0};
   check(api.DeviceGetName(name, sizeof name - 1, dev), "cuDeviceGetName");
   d.name = name;
@@ -144,11 +153,42 @@ bool accepts(const KernelVariant& v, const KernelArgs& args) {
     if (items[i].type != a.type)
       throw std::logic_error("fused: launcher of " + std::string(v.kernel) + " passes argument " + a.name +
                              " as '" + items[i].type + "', the kernel expects '" + a.type + "'");
+    if (a.type == 't') continue;  // checked when the descriptor is encoded
     int64_t value = a.type == 'i' ? static_cast<int32_t>(items[i].bits) : static_cast<int64_t>(items[i].bits);
     if (a.is_constant && value != a.value) return false;
     if (a.divisibility > 1 && value % a.divisibility != 0) return false;
   }
   return true;
+}
+
+// Encodes desc as the CUtensorMap the kernel expects (what Triton's launcher does for a host TensorDescriptor).
+void encode_tensor_map(const DriverApi& api, CUtensorMap* map, const KernelArgs::Desc& d, const TmaMeta& m,
+                       const char* kernel) {
+  const int rank = static_cast<int>(d.shape.size());
+  if (rank != m.rank)
+    throw std::logic_error("fused: " + std::string(kernel) + ": tensor descriptor of rank " + std::to_string(rank) +
+                           " for a kernel argument of rank " + std::to_string(m.rank));
+  if (d.strides[rank - 1] != 1)
+    throw std::invalid_argument("fused: " + std::string(kernel) + ": a TMA operand needs a contiguous last dimension");
+  if (reinterpret_cast<uintptr_t>(d.base) % 16 != 0)
+    throw std::invalid_argument("fused: " + std::string(kernel) + ": a TMA operand must be 16-byte aligned");
+  cuuint64_t dims[5], strides[5];
+  cuuint32_t box[5], elem_strides[5];
+  for (int i = 0; i < rank; ++i) {  // the driver wants the innermost dimension first
+    dims[i] = static_cast<cuuint64_t>(d.shape[rank - 1 - i]);
+    box[i] = m.box[rank - 1 - i];
+    elem_strides[i] = 1;
+  }
+  for (int i = 0; i + 1 < rank; ++i) {
+    strides[i] = static_cast<cuuint64_t>(d.strides[rank - 2 - i]) * m.elem_bytes;
+    if (strides[i] % 16 != 0)
+      throw std::invalid_argument("fused: " + std::string(kernel) + ": TMA operand strides must be multiples of 16 bytes");
+  }
+  check(api.TensorMapEncodeTiled(map, static_cast<CUtensorMapDataType>(m.elem_type), rank, const_cast<void*>(d.base),
+                                 dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 static_cast<CUtensorMapSwizzle>(m.swizzle), CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        "cuTensorMapEncodeTiled");
 }
 
 }  // namespace
@@ -158,6 +198,19 @@ bool has_variant(const char* kernel, const std::string& key) {
 }
 
 const char* built_archs() { return kBuiltArchs; }
+
+int device_capability(int device) {
+  const DriverApi& api = driver();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const Device& d = device_info(api, device);
+  return d.major * 10 + d.minor;
+}
+
+int device_sm_count(int device) {
+  const DriverApi& api = driver();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return device_info(api, device).sm_count;
+}
 
 bool stream_is_capturing(CUstream stream) {
   CUstreamCaptureStatus status;
@@ -186,16 +239,34 @@ void launch(const char* kernel, const std::string& key, const KernelArgs& args, 
   const DriverApi& api = driver();
   LoadedFunction lf = get_function(api, *chosen, device);
 
-  // Pack the runtime parameters: the non-constant arguments in order, then Triton's two scratch pointers.
+  // Pack the runtime parameters: the non-constant arguments in order (a tensor descriptor expands to its
+  // CUtensorMap, then its shape as int32s and its strides as int64s), then Triton's two scratch pointers.
+  constexpr int kMaxParams = 96, kMaxMaps = 4;
   const auto& items = args.items();
-  uint64_t slots[64];
-  void* params[66];
-  int n = 0;
-  for (int i = 0; i < chosen->num_args; ++i) {
-    if (chosen->args[i].is_constant) continue;
-    slots[n] = items[i].bits;
+  uint64_t slots[kMaxParams];
+  void* params[kMaxParams + 2];
+  alignas(64) CUtensorMap maps[kMaxMaps];
+  int n = 0, n_maps = 0;
+  auto push = [&](uint64_t bits) {
+    if (n >= kMaxParams) throw std::logic_error("fused: too many kernel parameters for " + std::string(kernel));
+    slots[n] = bits;
     params[n] = &slots[n];
     ++n;
+  };
+  for (int i = 0; i < chosen->num_args; ++i) {
+    if (chosen->args[i].is_constant) continue;
+    if (items[i].type != 't') {
+      push(items[i].bits);
+      continue;
+    }
+    if (n_maps >= kMaxMaps || n_maps >= lf.image->num_tma)
+      throw std::logic_error("fused: " + std::string(kernel) + ": more tensor descriptors than the kernel takes");
+    const KernelArgs::Desc& d = args.descs()[items[i].bits];
+    encode_tensor_map(api, &maps[n_maps], d, lf.image->tma[n_maps], kernel);
+    if (n >= kMaxParams) throw std::logic_error("fused: too many kernel parameters");
+    params[n++] = &maps[n_maps++];
+    for (int64_t s : d.shape) push(static_cast<uint32_t>(static_cast<int32_t>(s)));
+    for (int64_t s : d.strides) push(static_cast<uint64_t>(s));
   }
   CUdeviceptr global_scratch = 0, profile_scratch = 0;
   if (lf.image->global_scratch_size > 0) {

@@ -21,10 +21,19 @@ class KernelArgs {
   KernelArgs& i32(int64_t v);  // throws if v does not fit in int32
   KernelArgs& i64(int64_t v) { return push('l', static_cast<uint64_t>(v)); }
   KernelArgs& f32(float v);
+  // A tensor-descriptor argument (TMA): base pointer, shape and strides in elements, outermost first; the last
+  // stride must be 1. The launcher encodes the CUtensorMap with the box and swizzle the compiler chose.
+  KernelArgs& tensor(const void* base, std::vector<int64_t> shape, std::vector<int64_t> strides);
+
+  struct Desc {
+    const void* base;
+    std::vector<int64_t> shape, strides;
+  };
+  const std::vector<Desc>& descs() const { return descs_; }
 
   struct Item {
     char type;
-    uint64_t bits;  // the value's bytes, little-endian, in the low bytes
+    uint64_t bits;  // the value's bytes, little-endian, in the low bytes ('t': index into descs())
   };
   const std::vector<Item>& items() const { return items_; }
 
@@ -34,6 +43,7 @@ class KernelArgs {
     return *this;
   }
   std::vector<Item> items_;
+  std::vector<Desc> descs_;
 };
 
 // Allocates `bytes` of device memory that stays valid until the kernel has run on the stream (torch's caching
@@ -53,6 +63,10 @@ void launch(const char* kernel, const std::string& key, const KernelArgs& args, 
 
 // Whether any variant was compiled for (kernel, key): lets ops give a clear error for unsupported combinations.
 bool has_variant(const char* kernel, const std::string& key);
+
+// Compute capability (e.g. 90) and multiprocessor count of a CUDA device (cached after the first call).
+int device_capability(int device);
+int device_sm_count(int device);
 
 // Whether `stream` is capturing a CUDA graph.
 bool stream_is_capturing(CUstream stream);
