@@ -13,9 +13,10 @@ TORCH_LIBRARY(fused, m) {
   // The exact transpose of rope_fwd: the gradient of t given the gradient of its output.
   m.def("rope_bwd(Tensor grad_output, Tensor freqs, str tensor_format=\"sbhd\", bool interleaved=False, "
         "Tensor? cu_seqlens=None, Tensor? start_positions=None, int cp_size=1, int cp_rank=0) -> Tensor");
-  // rope_fwd in place: t is overwritten and returned (not differentiable).
+  // rope_fwd in place: t is overwritten (not differentiable). Returns nothing, as torch.compile's
+  // functionalization requires of custom mutating ops.
   m.def("rope_fwd_(Tensor(a!) t, Tensor freqs, str tensor_format=\"sbhd\", bool interleaved=False, "
-        "Tensor? cu_seqlens=None, Tensor? start_positions=None, int cp_size=1, int cp_rank=0) -> Tensor(a!)");
+        "Tensor? cu_seqlens=None, Tensor? start_positions=None, int cp_size=1, int cp_rank=0) -> ()");
   // rope_fwd of q and k at the same positions in one launch; head counts may differ (GQA).
   m.def("rope_fwd_qk(Tensor q, Tensor k, Tensor freqs, str tensor_format=\"sbhd\", bool interleaved=False, "
         "Tensor? cu_seqlens=None, Tensor? start_positions=None, int cp_size=1, int cp_rank=0) -> (Tensor, Tensor)");

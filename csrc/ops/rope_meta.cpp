@@ -16,10 +16,7 @@ Tensor bwd(const Tensor& g, const Tensor& freqs, FUSED_ROPE_ARGS) {
   fused::check_rope_inputs(g, freqs, FUSED_ROPE_OPTS, "grad_output");
   return like(g);
 }
-Tensor fwd_(Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
-  fused::check_rope_inputs(t, freqs, FUSED_ROPE_OPTS, "t");
-  return t;
-}
+void fwd_(Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) { fused::check_rope_inputs(t, freqs, FUSED_ROPE_OPTS, "t"); }
 std::tuple<Tensor, Tensor> qk(const Tensor& q, const Tensor& k, const Tensor& freqs, FUSED_ROPE_ARGS) {
   fused::check_rope_inputs(q, freqs, FUSED_ROPE_OPTS, "q");
   fused::check_rope_inputs(k, freqs, FUSED_ROPE_OPTS, "k");

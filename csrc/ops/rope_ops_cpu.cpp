@@ -12,9 +12,8 @@ Tensor fwd(const Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
 Tensor bwd(const Tensor& g, const Tensor& freqs, FUSED_ROPE_ARGS) {
   return fused::rope_cpu(g, freqs, FUSED_ROPE_OPTS, true);
 }
-Tensor fwd_(Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
+void fwd_(Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
   t.copy_(fused::rope_cpu(t, freqs, FUSED_ROPE_OPTS, false));
-  return t;
 }
 std::tuple<Tensor, Tensor> qk(const Tensor& q, const Tensor& k, const Tensor& freqs, bool backward,
                               const fused::RopeOptions& o) {

@@ -12,10 +12,7 @@ Tensor fwd(const Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
 Tensor bwd(const Tensor& g, const Tensor& freqs, FUSED_ROPE_ARGS) {
   return fused::rope_cuda(g, freqs, FUSED_ROPE_OPTS, true);
 }
-Tensor fwd_(Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
-  fused::rope_inplace_cuda(t, freqs, FUSED_ROPE_OPTS);
-  return t;
-}
+void fwd_(Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) { fused::rope_inplace_cuda(t, freqs, FUSED_ROPE_OPTS); }
 std::tuple<Tensor, Tensor> fwd_qk(const Tensor& q, const Tensor& k, const Tensor& freqs, FUSED_ROPE_ARGS) {
   return fused::rope_qk_cuda(q, k, freqs, FUSED_ROPE_OPTS, false);
 }

@@ -1,0 +1,223 @@
+"""Shared timing helpers for the benchmarks in this folder.
+
+Everything here needs CUDA at call time, but importing the module does not (so
+scripts can print a clean "no CUDA" message instead of a traceback).
+
+Cache policy (rotation, not flushing)
+-------------------------------------
+Each timed call gets a different set of input buffers, drawn round-robin from
+``n`` copies whose total size exceeds ~2x the L2 cache (size read from
+``torch.cuda.get_device_properties(dev).L2_cache_size``), and the last ``n``
+results are kept alive so outputs rotate through ``n + 1`` allocations too.
+By the time a buffer is used again, >= 2x L2 worth of other data has streamed
+through the cache, so its lines are gone and every rep reads from HBM.
+
+Why rotation rather than writing a 256 MB buffer between reps:
+  * a flush *writes*; it leaves the whole L2 full of dirty lines that the timed
+    kernel then has to write back to HBM as it evicts them -- up to one L2
+    (50-60 MB on H100/H200) of extra, untimed-looking write traffic charged to
+    the kernel, which badly skews small sizes (an s=512 RoPE moves only 16 MB);
+  * there is no flush kernel between the timed launches, so the GPU runs the
+    reps back to back like a real training step, and no event can accidentally
+    include the flush;
+  * it is the same for every implementation, including the copy ceiling, so
+    ratios are apples to apples.
+Memory cost: at most ~2.5x L2 of extra copies for small problems, 2 copies for
+large ones.
+
+Launch overhead
+---------------
+Before the timed loop the GPU is parked in ``torch.cuda._sleep`` long enough for
+the CPU to enqueue every rep, so per-rep events measure device time only (not
+Python/dispatcher overhead, which would otherwise dominate tiny problems).
+If ``_sleep`` is missing the benchmark still works, it just includes launch gaps
+whenever the CPU is slower than the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+try:  # keep the module importable without torch so callers can report nicely
+    import torch
+except Exception:  # pragma: no cover - reported by the caller
+    torch = None  # type: ignore[assignment]
+
+_FALLBACK_L2_BYTES = 50 * 1024 * 1024
+_MAX_ROTATION = 64
+_ms_per_sleep_cycle: float | None = None
+
+
+# --------------------------------------------------------------------------- device info
+def device_name(dev: Any = None) -> str:
+    """Marketing name of the CUDA device ("NVIDIA H100 80GB HBM3"), or "cpu"."""
+    if torch is None or not torch.cuda.is_available():
+        return "cpu (no CUDA)"
+    return torch.cuda.get_device_name(dev)
+
+
+def l2_cache_bytes(dev: Any = None) -> int:
+    """L2 size in bytes from the device properties (50 MB fallback)."""
+    try:
+        props = torch.cuda.get_device_properties(dev if dev is not None else torch.cuda.current_device())
+        size = int(getattr(props, "L2_cache_size", 0) or 0)
+        return size if size > 0 else _FALLBACK_L2_BYTES
+    except Exception:
+        return _FALLBACK_L2_BYTES
+
+
+def rotation_count(bytes_per_set: int, dev: Any = None, factor: float = 2.0, max_sets: int = _MAX_ROTATION) -> int:
+    """How many copies of a ``bytes_per_set`` input set rotate past ``factor`` x L2 (at least 2)."""
+    bytes_per_set = max(int(bytes_per_set), 1)
+    n = math.ceil(factor * l2_cache_bytes(dev) / bytes_per_set) + 1
+    return int(min(max(n, 2), max_sets))
+
+
+# --------------------------------------------------------------------------- GPU hold
+def _calibrate_sleep() -> float | None:
+    """Milliseconds per ``torch.cuda._sleep`` cycle, measured once with events."""
+    global _ms_per_sleep_cycle
+    if _ms_per_sleep_cycle is not None:
+        return _ms_per_sleep_cycle if _ms_per_sleep_cycle > 0 else None
+    try:
+        cycles = 2_000_000
+        torch.cuda._sleep(1000)  # load whatever it needs
+        torch.cuda.synchronize()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        torch.cuda.synchronize()
+        ms = a.elapsed_time(b)
+        _ms_per_sleep_cycle = ms / cycles if ms > 0 else -1.0
+    except Exception:
+        _ms_per_sleep_cycle = -1.0
+    return _ms_per_sleep_cycle if _ms_per_sleep_cycle > 0 else None
+
+
+def _hold_gpu(ms: float) -> None:
+    """Queue a spin kernel of about ``ms`` milliseconds (no-op if unsupported)."""
+    per_cycle = _calibrate_sleep()
+    if per_cycle is None or ms <= 0:
+        return
+    try:
+        torch.cuda._sleep(int(ms / per_cycle))
+    except Exception:
+        pass
+
+
+# --------------------------------------------------------------------------- timing
+def bench(
+    fn: Callable[..., Any],
+    args: Sequence[Sequence[Any]] | None = None,
+    warmup: int = 10,
+    rep: int = 50,
+    hold_gpu: bool = True,
+    return_all: bool = False,
+):
+    """Median device time of ``fn`` in milliseconds.
+
+    ``fn(*args[i % len(args)])`` is called for rep i, so pass several argument
+    tuples (see :func:`rotation_count`) to keep the data out of L2; results of
+    the last ``len(args)`` calls stay alive so outputs rotate as well.
+    Each rep is bracketed by its own pair of CUDA events, recorded after
+    ``warmup`` untimed calls (compilation, autotuning, allocator warm-up).
+    Returns the median in ms (or ``(median, all_times)`` with ``return_all``).
+    """
+    arg_sets = [tuple(a) for a in args] if args else [()]
+    n = len(arg_sets)
+    ring: list[Any] = [None] * n
+
+    for i in range(max(warmup, 1)):
+        ring[i % n] = fn(*arg_sets[i % n])
+    torch.cuda.synchronize()
+
+    # CPU cost of one call (enqueue only; the GPU is far from saturated here).
+    probe = min(5, max(rep, 1))
+    t0 = time.perf_counter()
+    for i in range(probe):
+        ring[i % n] = fn(*arg_sets[i % n])
+    cpu_ms = (time.perf_counter() - t0) * 1e3 / probe
+    torch.cuda.synchronize()
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    if hold_gpu:
+        # enough spin for the CPU to enqueue all reps (2x margin + 1 ms), capped at 300 ms
+        _hold_gpu(min(rep * (cpu_ms + 0.02) * 2.0 + 1.0, 300.0))
+    for i in range(rep):
+        j = i % n
+        starts[i].record()
+        ring[j] = fn(*arg_sets[j])
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    del ring
+    med = statistics.median(times)
+    return (med, times) if return_all else med
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    """Bytes per millisecond -> GB/s (1 GB = 1e9 B)."""
+    return float("nan") if not ms or ms <= 0 or math.isnan(ms) else nbytes / (ms * 1e-3) / 1e9
+
+
+def copy_time_ms(nbytes: int, warmup: int = 10, rep: int = 50, dev: Any = None) -> float:
+    """Median time of ``dst.copy_(src)`` for ``nbytes`` (L2 rotation as in :func:`bench`)."""
+    dev = torch.device("cuda") if dev is None else torch.device(dev)
+    nbytes = max(int(nbytes), 16)
+    nsets = rotation_count(2 * nbytes, dev)  # src and dst both rotate
+    sets = []
+    for _ in range(nsets):
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        sets.append((dst, src))
+    ms = bench(lambda d, s: d.copy_(s), args=sets, warmup=warmup, rep=rep)
+    del sets
+    return ms
+
+
+def copy_bandwidth(nbytes: int, warmup: int = 10, rep: int = 50, dev: Any = None) -> float:
+    """Measured device-to-device copy bandwidth in GB/s, counting read + write bytes."""
+    return gbps(2 * max(int(nbytes), 16), copy_time_ms(nbytes, warmup=warmup, rep=rep, dev=dev))
+
+
+# --------------------------------------------------------------------------- tables
+def _cell(v: Any, fmt: str | None = None) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        if fmt:
+            return format(v, fmt)
+        a = abs(v)
+        if a != 0 and (a < 1e-3 or a >= 1e6):
+            return f"{v:.2e}"
+        return f"{v:.3f}" if a < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], formats: Sequence[str | None] | None = None) -> str:
+    """GitHub markdown table; floats get a compact format unless ``formats`` says otherwise."""
+    rows = list(rows)
+    formats = list(formats) if formats else [None] * len(headers)
+    text = [[_cell(v, formats[i] if i < len(formats) else None) for i, v in enumerate(r)] for r in rows]
+    widths = [len(h) for h in headers]
+    for r in text:
+        for i, c in enumerate(r):
+            widths[i] = max(widths[i], len(c))
+    line = lambda cells: "| " + " | ".join(c.ljust(widths[i]) for i, c in enumerate(cells)) + " |"
+    out = [line(list(headers)), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r + [""] * (len(headers) - len(r))) for r in text]
+    return "\n".join(out)
+
+
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], formats: Sequence[str | None] | None = None) -> str:
+    s = format_table(headers, rows, formats)
+    print(s, flush=True)
+    return s

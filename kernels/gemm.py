@@ -1,0 +1,451 @@
+"""Expert-routed GEMMs for the modality-routed linear and the dual-expert SwiGLU MLP.
+
+Exact argument lists / grids for the C++ launcher: kernels/GEMM.md.  Routing: kernels/routing.py.
+
+Conventions
+  * Two experts: e = 0 (mask false, "text"), e = 1 (mask true, "vision").
+  * perm int32 [M_pad], seg int32 [5] = [0, start_1, end, count_0, count_1] from routing.  M tiles
+    of BLOCK_M rows (BLOCK_M divides the routing ALIGN) never mix experts; the expert of tile row0
+    is (row0 >= start_1); tiles with row0 >= end are empty and skipped.
+  * "Generic" GEMM: out[M, N] = A[M, K] @ B^T, B[n, k] = W_e[n, k]  (W_TRANSPOSED = False, forward,
+    W_e in nn.Linear layout [N, K]) or B[n, k] = W_e[k, n] (W_TRANSPOSED = True, grad-input:
+    dX = dY @ W_e with W_e [K_red = N_lin, N_out = K_lin]).
+  * GATHER_A:   A row of padded position r is A[perm[r]] (pointer kernels only) - otherwise A is an
+                expert-ordered padded buffer [M_pad, K] (row r).
+  * SCATTER_OUT: out row of padded position r is out[perm[r]] (padding rows skipped) - otherwise
+                out is an expert-ordered padded buffer [M_pad, N] (every row of a non-empty tile is
+                written; padding rows get the value computed from zero A rows).
+  * fp32 accumulation always; INPUT_PRECISION ("ieee" | "tf32" | "tf32x3") matters for fp32 inputs.
+  * All innermost dimensions must be contiguous (stride 1).
+"""
+import triton
+import triton.language as tl
+
+
+# ----------------------------------------------------------------------------------------------
+# shared helpers
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_mn(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    num_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_in_group
+    first_m = group_id * GROUP_M
+    gsz = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % gsz
+    pid_n = (pid % num_in_group) // gsz
+    return pid_m, pid_n
+
+
+@triton.jit
+def _tile_rows(perm_ptr, row0, BLOCK_M: tl.constexpr):
+    """perm entries of the tile -> (original row as int64 clamped to >= 0, valid mask)."""
+    offs_r = row0 + tl.arange(0, BLOCK_M)
+    p = tl.load(perm_ptr + offs_r)
+    valid = p >= 0
+    rows = tl.where(valid, p, 0).to(tl.int64)
+    return rows, valid
+
+
+@triton.jit
+def _ptr_mainloop(acc, a_ptrs, a_mask, b_ptrs, offs_k, offs_n, N, K, b_step,
+                  W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += A_tile @ B_tile over K. a_ptrs [BM, BK] at k=0, b_ptrs [BK, BN] at k=0."""
+    n_ok = offs_n[None, :] < N
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(a_ptrs, mask=a_mask[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += b_step
+    return acc
+
+
+@triton.jit
+def _b_ptrs(w_ptr, offs_k, offs_n, stride_w, W_TRANSPOSED: tl.constexpr):
+    """[BK, BN] pointers of B^T for k = offs_k, n = offs_n, and the pointer step per BLOCK_K."""
+    if W_TRANSPOSED:
+        ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_n[None, :]
+    else:
+        ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+    return ptrs
+
+
+@triton.jit
+def _store_tile(out_ptr, val, perm_ptr, row0, offs_n, N, stride_om, SCATTER_OUT: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    n_ok = offs_n[None, :] < N
+    if SCATTER_OUT:
+        rows, valid = _tile_rows(perm_ptr, row0, BLOCK_M)
+        ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+        tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok)
+    else:
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+        tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N):
+    if e == 0:
+        bias = tl.load(bias0_ptr + offs_n, mask=offs_n < N, other=0.0)
+    else:
+        bias = tl.load(bias1_ptr + offs_n, mask=offs_n < N, other=0.0)
+    return acc + bias.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _silu_mul(g, u):
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) pointer-load kernels (any sm_80+; A rows gathered through perm)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def routed_linear_kernel(a_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr,
+                         M_pad, N, K, stride_am, stride_w, stride_om,
+                         HAS_BIAS: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr,
+                         W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = M_pad // BLOCK_M
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_mn(pid, num_pid_m, num_pid_n, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    start1 = tl.load(seg_ptr + 1)
+    end = tl.load(seg_ptr + 2)
+    if row0 < end:
+        e = (row0 >= start1).to(tl.int32)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if GATHER_A:
+            rows, a_mask = _tile_rows(perm_ptr, row0, BLOCK_M)
+        else:
+            rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            a_mask = rows >= 0
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        if W_TRANSPOSED:
+            b_step = BLOCK_K * stride_w
+        else:
+            b_step = BLOCK_K
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if e == 0:
+            b_ptrs = _b_ptrs(w0_ptr, offs_k, offs_n, stride_w, W_TRANSPOSED)
+        else:
+            b_ptrs = _b_ptrs(w1_ptr, offs_k, offs_n, stride_w, W_TRANSPOSED)
+        acc = _ptr_mainloop(acc, a_ptrs, a_mask, b_ptrs, offs_k, offs_n, N, K, b_step, W_TRANSPOSED,
+                            INPUT_PRECISION, BLOCK_K)
+        if HAS_BIAS:
+            acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+        _store_tile(out_ptr, acc, perm_ptr, row0, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
+
+
+@triton.jit
+def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, perm_ptr, seg_ptr,
+                         M_pad, N, K, stride_am, stride_w, stride_hm,
+                         GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr,
+                         INPUT_PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    """h = silu(A @ W1_e^T) * (A @ W3_e^T); W1_e, W3_e [N = intermediate, K = hidden]."""
+    pid = tl.program_id(0)
+    num_pid_m = M_pad // BLOCK_M
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_mn(pid, num_pid_m, num_pid_n, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    start1 = tl.load(seg_ptr + 1)
+    end = tl.load(seg_ptr + 2)
+    if row0 < end:
+        e = (row0 >= start1).to(tl.int32)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if GATHER_A:
+            rows, a_mask = _tile_rows(perm_ptr, row0, BLOCK_M)
+        else:
+            rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            a_mask = rows >= 0
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        if e == 0:
+            g_ptrs = _b_ptrs(w1_0_ptr, offs_k, offs_n, stride_w, False)
+            u_ptrs = _b_ptrs(w3_0_ptr, offs_k, offs_n, stride_w, False)
+        else:
+            g_ptrs = _b_ptrs(w1_1_ptr, offs_k, offs_n, stride_w, False)
+            u_ptrs = _b_ptrs(w3_1_ptr, offs_k, offs_n, stride_w, False)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        n_ok = offs_n[None, :] < N
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=a_mask[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+            acc_g = tl.dot(a, g, acc_g, input_precision=INPUT_PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        h = _silu_mul(acc_g, acc_u)
+        _store_tile(h_ptr, h, perm_ptr, row0, offs_n, N, stride_hm, SCATTER_OUT, BLOCK_M)
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) Hopper TMA kernels: A = expert-ordered padded buffer, A and W through host descriptors.
+#     Persistent: grid = min(#SMs, num_tiles); each program walks tiles pid, pid + nprog, ...
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def gather_rows_kernel(src_ptr, dst_ptr, perm_ptr, M_pad, C, stride_src, stride_dst,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst[r, :] = src[perm[r], :] (zeros where perm[r] < 0), dst [M_pad, C]."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok = offs_r < M_pad
+    p = tl.load(perm_ptr + offs_r, mask=r_ok, other=-1)
+    valid = p >= 0
+    src_rows = tl.where(valid, p, 0).to(tl.int64)
+    c_ok = offs_c[None, :] < C
+    v = tl.load(src_ptr + src_rows[:, None] * stride_src + offs_c[None, :], mask=valid[:, None] & c_ok,
+                other=0.0)
+    tl.store(dst_ptr + offs_r.to(tl.int64)[:, None] * stride_dst + offs_c[None, :], v,
+             mask=r_ok[:, None] & c_ok)
+
+
+@triton.jit
+def _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w_desc is a rank-3 descriptor over the stacked weights [2, R, C] (exact per-expert bounds)."""
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([row0, k0])
+        if W_TRANSPOSED:
+            b = w_desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        else:
+            b = w_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
+def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr,
+                             seg_ptr, M_pad, N, K, stride_om,
+                             HAS_BIAS: tl.constexpr, SCATTER_OUT: tl.constexpr,
+                             W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr):
+    """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
+    (W_TRANSPOSED: [2, K, N] block [1, BK, BN]).  Persistent over (M_pad/BM) x cdiv(N, BN) tiles."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_pid_m = M_pad // BLOCK_M
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    start1 = tl.load(seg_ptr + 1)
+    end = tl.load(seg_ptr + 2)
+    for tile in range(pid, num_tiles, nprog):
+        pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        if row0 < end:
+            e = (row0 >= start1).to(tl.int32)
+            n0 = pid_n * BLOCK_N
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc = _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N,
+                                BLOCK_K)
+            if HAS_BIAS:
+                acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+            _store_tile(out_ptr, acc, perm_ptr, row0, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
+
+
+@triton.jit
+def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_hm,
+                             SCATTER_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr):
+    """a_desc: [M_pad, K] block [BM, BK]; w1_desc / w3_desc: stacked [2, N, K] block [1, BN, BK]."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_pid_m = M_pad // BLOCK_M
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    start1 = tl.load(seg_ptr + 1)
+    end = tl.load(seg_ptr + 2)
+    for tile in range(pid, num_tiles, nprog):
+        pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        if row0 < end:
+            e = (row0 >= start1).to(tl.int32)
+            n0 = pid_n * BLOCK_N
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([row0, k0])
+                g = w1_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+                u = w3_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+                acc_g = tl.dot(a, g.T, acc_g, input_precision=INPUT_PRECISION)
+                acc_u = tl.dot(a, u.T, acc_u, input_precision=INPUT_PRECISION)
+            h = _silu_mul(acc_g, acc_u)
+            _store_tile(h_ptr, h, perm_ptr, row0, offs_n, N, stride_hm, SCATTER_OUT, BLOCK_M)
+
+
+# ----------------------------------------------------------------------------------------------
+# grad-weight: dW_e[n, k] = sum_{r in segment e} dY[row(r), n] * X[row(r), k]   (+ db_e[n])
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def routed_grad_weight_kernel(dy_ptr, x_ptr, perm_ptr, seg_ptr, dw0_ptr, dw1_ptr, db0_ptr, db1_ptr,
+                              N, K, stride_dym, stride_xm, stride_dwn,
+                              GATHER: tl.constexpr, HAS_DBIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+                              INPUT_PRECISION: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                              GROUP_N: tl.constexpr):
+    """Grid (2 * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K),).  Programs [0, T) expert 0, [T, 2T) expert 1.
+
+    GATHER=True : dY [M, N] and X [M, K] in original row order, rows read through perm.
+    GATHER=False: dY [M_pad, N], X [M_pad, K] expert-ordered padded buffers (padding rows skipped).
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    per_e = num_pid_n * num_pid_k
+    e = pid // per_e
+    pid_n, pid_k = _tile_mn(pid % per_e, num_pid_n, num_pid_k, GROUP_N)
+    seg_start = tl.load(seg_ptr + e)
+    seg_cnt = tl.load(seg_ptr + 3 + e)
+    seg_stop = seg_start + seg_cnt
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k_ok = offs_k < K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r0 in range(seg_start, seg_stop, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_in = offs_r < seg_stop
+        if GATHER:
+            p = tl.load(perm_ptr + offs_r, mask=r_in, other=-1)
+            r_ok = p >= 0
+            rows = tl.where(r_ok, p, 0).to(tl.int64)
+        else:
+            r_ok = r_in
+            rows = offs_r.to(tl.int64)
+        dyt = tl.load(dy_ptr + rows[None, :] * stride_dym + offs_n[:, None], mask=n_ok[:, None] & r_ok[None, :],
+                      other=0.0)  # [BN, BR]
+        xt = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                     other=0.0)  # [BR, BK]
+        acc = tl.dot(dyt, xt, acc, input_precision=INPUT_PRECISION)
+        if HAS_DBIAS:
+            dbias += tl.sum(dyt.to(tl.float32), axis=1)
+    if e == 0:
+        dw_ptr = dw0_ptr
+        db_ptr = db0_ptr
+    else:
+        dw_ptr = dw1_ptr
+        db_ptr = db1_ptr
+    w_ptrs = dw_ptr + offs_n.to(tl.int64)[:, None] * stride_dwn + offs_k[None, :]
+    w_mask = n_ok[:, None] & k_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+    tl.store(w_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=w_mask)
+    if HAS_DBIAS:
+        if pid_k == 0:
+            if ACCUMULATE:
+                dbias += tl.load(db_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(db_ptr + offs_n, dbias.to(db_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python launchers (JIT / TRITON_INTERPRET use; they also document the grids for the C++ side)
+# ----------------------------------------------------------------------------------------------
+def _grid_mn(M_pad, N, BM, BN):
+    return ((M_pad // BM) * triton.cdiv(N, BN), )
+
+
+def launch_routed_linear(a, w0, w1, bias0, bias1, out, perm, seg, N, K, *, gather_a=True, scatter_out=True,
+                         w_transposed=False, input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8,
+                         num_warps=8, num_stages=3):
+    M_pad = perm.shape[0]
+    has_bias = bias0 is not None
+    if not has_bias:
+        bias0 = bias1 = w0
+    grid = _grid_mn(M_pad, N, BM, BN)
+    routed_linear_kernel[grid](a, w0, w1, bias0, bias1, out, perm, seg, M_pad, N, K, a.stride(0), w0.stride(0),
+                               out.stride(0), HAS_BIAS=has_bias, GATHER_A=gather_a, SCATTER_OUT=scatter_out,
+                               W_TRANSPOSED=w_transposed, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
+                               BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def launch_routed_swiglu(a, w1_0, w1_1, w3_0, w3_1, h, perm, seg, N, K, *, gather_a=True, scatter_out=False,
+                         input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3):
+    M_pad = perm.shape[0]
+    grid = _grid_mn(M_pad, N, BM, BN)
+    routed_swiglu_kernel[grid](a, w1_0, w1_1, w3_0, w3_1, h, perm, seg, M_pad, N, K, a.stride(0), w1_0.stride(0),
+                               h.stride(0), GATHER_A=gather_a, SCATTER_OUT=scatter_out,
+                               INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                               GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
+    return h
+
+
+def launch_gather_rows(src, dst, perm, *, BLOCK_R=32, BLOCK_C=128):
+    M_pad, C = dst.shape
+    grid = (triton.cdiv(M_pad, BLOCK_R), triton.cdiv(C, BLOCK_C))
+    gather_rows_kernel[grid](src, dst, perm, M_pad, C, src.stride(0), dst.stride(0), BLOCK_R=BLOCK_R,
+                             BLOCK_C=BLOCK_C, num_warps=4)
+    return dst
+
+
+def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, scatter_out=True,
+                             w_transposed=False, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
+                             num_programs=None, num_warps=8, num_stages=3):
+    """a_pad [M_pad, K] expert-ordered; w_stacked [2, N, K] (or [2, K, N] when w_transposed)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    M_pad, K = a_pad.shape
+    N = w_stacked.shape[2] if w_transposed else w_stacked.shape[1]
+    a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
+    w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BK, BN] if w_transposed else [1, BN, BK])
+    has_bias = bias0 is not None
+    if not has_bias:
+        bias0 = bias1 = out
+    tiles = (M_pad // BM) * triton.cdiv(N, BN)
+    grid = (min(num_programs or tiles, tiles), )
+    routed_linear_tma_kernel[grid](a_desc, w_desc, bias0, bias1, out, perm, seg, M_pad, N, K, out.stride(0),
+                                   HAS_BIAS=has_bias, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
+                                   INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                                   GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, scatter_out=False,
+                             input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None,
+                             num_warps=8, num_stages=3):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    M_pad, K = a_pad.shape
+    N = w1_stacked.shape[1]
+    a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
+    w1_desc = TensorDescriptor.from_tensor(w1_stacked, [1, BN, BK])
+    w3_desc = TensorDescriptor.from_tensor(w3_stacked, [1, BN, BK])
+    tiles = (M_pad // BM) * triton.cdiv(N, BN)
+    grid = (min(num_programs or tiles, tiles), )
+    routed_swiglu_tma_kernel[grid](a_desc, w1_desc, w3_desc, h, perm, seg, M_pad, N, K, h.stride(0),
+                                   SCATTER_OUT=scatter_out, INPUT_PRECISION=input_precision, BLOCK_M=BM,
+                                   BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=num_warps,
+                                   num_stages=num_stages)
+    return h
+
+
+def launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, db0=None, db1=None, *, gather=True, accumulate=False,
+                              input_precision="tf32", BN=128, BK=128, BR=64, GROUP_N=8, num_warps=8,
+                              num_stages=3):
+    N, K = dw0.shape
+    has_db = db0 is not None
+    if not has_db:
+        db0, db1 = dw0, dw1
+    grid = (2 * triton.cdiv(N, BN) * triton.cdiv(K, BK), )
+    routed_grad_weight_kernel[grid](dy, x, perm, seg, dw0, dw1, db0, db1, N, K, dy.stride(0), x.stride(0),
+                                    dw0.stride(0), GATHER=gather, HAS_DBIAS=has_db, ACCUMULATE=accumulate,
+                                    INPUT_PRECISION=input_precision, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR,
+                                    GROUP_N=GROUP_N, num_warps=num_warps, num_stages=num_stages)
+    return dw0, dw1, (db0 if has_db else None), (db1 if has_db else None)

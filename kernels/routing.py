@@ -1,0 +1,121 @@
+"""Device-side modality routing for the dual-expert GEMMs (see kernels/GEMM.md).
+
+From a per-row mask (nonzero -> expert 1 "vision", zero -> expert 0 "text") build, without any
+host synchronisation:
+
+  perm  int32 [M_pad]   expert-ordered, padded row list.  Expert 0's rows occupy
+                        [0, seg[1]), expert 1's rows [seg[1], seg[2]); each segment is padded
+                        with -1 up to a multiple of ALIGN, and everything in [seg[2], M_pad) is -1.
+                        Within an expert the original row order is kept (prefix sums, no atomics),
+                        so the result is deterministic.
+  seg   int32 [5]       [start_0 = 0, start_1, end (padded), count_0, count_1]
+
+M_pad = (cdiv(M, ALIGN) + 1) * ALIGN depends only on M (fixed grid sizes, CUDA-graph capturable):
+ceil(c0/A) + ceil(c1/A) <= ceil(M/A) + 1 tiles are always enough.
+
+Two kernels:
+  routing_count_kernel   grid (NB,)  NB = max(1, cdiv(M, CHUNK))  -> block_counts int32 [NB, 2]
+  routing_scatter_kernel grid (NB,)                               -> perm, seg
+"""
+import triton
+import triton.language as tl
+
+NUM_EXPERTS = 2
+
+
+def padded_rows(M: int, align: int) -> int:
+    """Length of perm / of expert-ordered buffers (host helper, depends on shapes only)."""
+    return (triton.cdiv(M, align) + NUM_EXPERTS - 1) * align
+
+
+def num_route_blocks(M: int, chunk: int) -> int:
+    return max(1, triton.cdiv(M, chunk))
+
+
+@triton.jit
+def routing_count_kernel(mask_ptr, block_counts_ptr, M, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < M
+    m = tl.load(mask_ptr + offs, mask=valid, other=0)
+    is1 = (m != 0) & valid
+    c1 = tl.sum(is1.to(tl.int32), axis=0)
+    c0 = tl.sum(valid.to(tl.int32), axis=0) - c1
+    tl.store(block_counts_ptr + pid * 2, c0)
+    tl.store(block_counts_ptr + pid * 2 + 1, c1)
+
+
+@triton.jit
+def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_pad, num_blocks,
+                           CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+    pid = tl.program_id(0)
+    # Exclusive prefix of the per-block counts (rows of each expert in earlier blocks) + totals.
+    base0 = tl.zeros([CHUNK], dtype=tl.int32)
+    base1 = tl.zeros([CHUNK], dtype=tl.int32)
+    tot0 = tl.zeros([CHUNK], dtype=tl.int32)
+    tot1 = tl.zeros([CHUNK], dtype=tl.int32)
+    for b0 in range(0, num_blocks, CHUNK):
+        boffs = b0 + tl.arange(0, CHUNK)
+        bval = boffs < num_blocks
+        c0 = tl.load(block_counts_ptr + boffs * 2, mask=bval, other=0)
+        c1 = tl.load(block_counts_ptr + boffs * 2 + 1, mask=bval, other=0)
+        before = boffs < pid
+        base0 += tl.where(before, c0, 0)
+        base1 += tl.where(before, c1, 0)
+        tot0 += c0
+        tot1 += c1
+    b0s = tl.sum(base0, axis=0)
+    b1s = tl.sum(base1, axis=0)
+    t0 = tl.sum(tot0, axis=0)
+    t1 = tl.sum(tot1, axis=0)
+    start1 = ((t0 + ALIGN - 1) // ALIGN) * ALIGN
+    end = start1 + ((t1 + ALIGN - 1) // ALIGN) * ALIGN
+
+    # Stable scatter of this block's rows.
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < M
+    m = tl.load(mask_ptr + offs, mask=valid, other=0)
+    is1 = (m != 0) & valid
+    is0 = (m == 0) & valid
+    pos0 = b0s + tl.cumsum(is0.to(tl.int32), axis=0) - 1
+    pos1 = start1 + b1s + tl.cumsum(is1.to(tl.int32), axis=0) - 1
+    pos = tl.where(is1, pos1, pos0)
+    tl.store(perm_ptr + pos, offs, mask=valid)
+
+    if pid == 0:
+        # Padding of segment 0: [t0, start1) (< ALIGN entries).
+        p = t0 + tl.arange(0, ALIGN)
+        tl.store(perm_ptr + p, tl.full([ALIGN], -1, tl.int32), mask=p < start1)
+        # Padding of segment 1 and the unused tail: [start1 + t1, M_pad) (< 2*ALIGN entries).
+        for s in range(start1 + t1, M_pad, ALIGN):
+            p2 = s + tl.arange(0, ALIGN)
+            tl.store(perm_ptr + p2, tl.full([ALIGN], -1, tl.int32), mask=p2 < M_pad)
+        tl.store(seg_ptr + 0, t0 * 0)
+        tl.store(seg_ptr + 1, start1)
+        tl.store(seg_ptr + 2, end)
+        tl.store(seg_ptr + 3, t0)
+        tl.store(seg_ptr + 4, t1)
+
+
+def route(mask, align: int = 128, chunk: int = 1024, perm=None, seg=None):
+    """Python launcher (JIT / interpreter use).  mask: bool/int8/uint8 [M] on the target device.
+
+    Returns (perm int32 [M_pad], seg int32 [5]).  No host synchronisation.
+    """
+    import torch
+    M = mask.shape[0]
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.int8)
+    M_pad = padded_rows(M, align)
+    nb = num_route_blocks(M, chunk)
+    dev = mask.device
+    if perm is None:
+        perm = torch.empty(M_pad, dtype=torch.int32, device=dev)
+    if seg is None:
+        seg = torch.empty(5, dtype=torch.int32, device=dev)
+    counts = torch.empty(nb * 2, dtype=torch.int32, device=dev)
+    if M == 0:  # keep a valid pointer for the (fully masked) mask loads
+        mask = torch.zeros(1, dtype=torch.int8, device=dev)
+    routing_count_kernel[(nb, )](mask, counts, M, CHUNK=chunk)
+    routing_scatter_kernel[(nb, )](mask, counts, perm, seg, M, M_pad, nb, CHUNK=chunk, ALIGN=align)
+    return perm, seg

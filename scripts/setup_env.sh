@@ -1,0 +1,28 @@
+# Sourced by scripts/test.sh and scripts/run.sh: makes $VENV (default .venv) with what the project needs, builds
+# and installs the package into it, and exports VPY (its python). Works offline when torch is already importable
+# (the venv then reuses it through --system-site-packages); otherwise installs torch==2.14.1 (CUDA build; its
+# triton is what the AOT step compiles with).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+VENV="${FUSED_VENV:-$ROOT/.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  if "$PY" -c "import torch, triton" >/dev/null 2>&1; then
+    echo "[setup] reusing torch $("$PY" -c 'import torch; print(torch.__version__)') from $PY"
+    "$PY" -m venv --system-site-packages "$VENV"
+  else
+    "$PY" -m venv "$VENV"
+  fi
+fi
+VPY="$VENV/bin/python"
+export VPY
+if ! "$VPY" -c "import torch, triton" >/dev/null 2>&1; then
+  echo "[setup] installing torch==2.14.1 (brings triton)"
+  "$VPY" -m pip install -q torch==2.14.1
+fi
+for mod in pytest setuptools ninja; do
+  "$VPY" -c "import $mod" >/dev/null 2>&1 || "$VPY" -m pip install -q "$mod"
+done
+echo "[setup] building fused_ops (AOT-compiling the Triton kernels, then the C++ op library)"
+( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VPY" -m pip install --no-build-isolation --no-deps -q . )
+"$VPY" -c "import fused_ops; print('[setup] fused_ops built for', fused_ops.built_archs())"

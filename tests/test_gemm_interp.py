@@ -1,0 +1,304 @@
+"""Routed GEMM kernels under the Triton CPU interpreter (small shapes, float64 references).
+
+Run: cd /work/main && /work/venv/bin/python -m pytest -q tests/test_gemm_interp.py
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kernels import gemm  # noqa: E402
+from kernels.routing import padded_rows, route  # noqa: E402
+
+ALIGN = 16
+T = dict(BM=16, BN=16, BK=16)
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+
+def make_mask(kind, M, gen):
+    if kind == "random":
+        return torch.rand(M, generator=gen) < 0.4
+    if kind == "all_true":
+        return torch.ones(M, dtype=torch.bool)
+    if kind == "all_false":
+        return torch.zeros(M, dtype=torch.bool)
+    if kind == "span":
+        m = torch.zeros(M, dtype=torch.bool)
+        m[M // 3: M // 3 + max(1, M // 4)] = True
+        return m
+    raise ValueError(kind)
+
+
+MASKS = ["random", "all_true", "all_false", "span"]
+
+
+def rnd(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def rel_err(out, ref):
+    out = out.double()
+    assert torch.isfinite(out).all(), "non-finite (unwritten?) output"
+    den = ref.norm().item()
+    return (out - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def ref_linear(x, w0, w1, b0, b1, mask):
+    x, w0, w1 = x.double(), w0.double(), w1.double()
+    y0 = x @ w0.T
+    y1 = x @ w1.T
+    if b0 is not None:
+        y0 = y0 + b0.double()
+        y1 = y1 + b1.double()
+    return torch.where(mask[:, None], y1, y0)
+
+
+def ref_swiglu_h(x, w1_0, w1_1, w3_0, w3_1, mask):
+    x = x.double()
+
+    def h(w1, w3):
+        g = x @ w1.double().T
+        return g * torch.sigmoid(g) * (x @ w3.double().T)
+
+    return torch.where(mask[:, None], h(w1_1, w3_1), h(w1_0, w3_0))
+
+
+def prec(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ------------------------------------------------------------------------------------------- routing
+@pytest.mark.parametrize("M", [0, 1, 37, 300])
+@pytest.mark.parametrize("kind", MASKS)
+def test_routing(M, kind):
+    gen = torch.Generator().manual_seed(M)
+    mask = make_mask(kind, M, gen) if M > 0 else torch.zeros(0, dtype=torch.bool)
+    perm, seg = route(mask, align=ALIGN, chunk=64)  # chunk 64 -> several blocks for M=300
+    M_pad = padded_rows(M, ALIGN)
+    assert perm.shape == (M_pad, ) and perm.dtype == torch.int32
+    rows1 = torch.nonzero(mask).flatten().to(torch.int32)
+    rows0 = torch.nonzero(~mask).flatten().to(torch.int32)
+    c0, c1 = rows0.numel(), rows1.numel()
+    start1 = -(-c0 // ALIGN) * ALIGN
+    end = start1 + -(-c1 // ALIGN) * ALIGN
+    assert seg.tolist() == [0, start1, end, c0, c1]
+    assert torch.equal(perm[:c0], rows0)
+    assert (perm[c0:start1] == -1).all()
+    assert torch.equal(perm[start1:start1 + c1], rows1)
+    assert (perm[start1 + c1:] == -1).all()
+    assert end <= M_pad
+
+
+# ------------------------------------------------------------------------------------ pointer linear
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_ptr(dtype, kind, bias):
+    M, N, K = 37, 24, 40
+    gen = torch.Generator().manual_seed(1)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, K, dtype=dtype)
+    w0, w1 = rnd(gen, N, K, dtype=dtype), rnd(gen, N, K, dtype=dtype)
+    b0 = rnd(gen, N, dtype=dtype) if bias else None
+    b1 = rnd(gen, N, dtype=dtype) if bias else None
+    perm, seg = route(mask, align=ALIGN)
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    gemm.launch_routed_linear(x, w0, w1, b0, b1, out, perm, seg, N, K, input_precision=prec(dtype), **T)
+    assert rel_err(out, ref_linear(x, w0, w1, b0, b1, mask)) < TOL[dtype]
+
+
+def test_linear_ptr_tf32_and_shapes():
+    # fp32 with tf32 precision, a larger odd shape with several K steps and GROUP_M swizzling
+    M, N, K = 70, 33, 50
+    gen = torch.Generator().manual_seed(2)
+    mask = make_mask("random", M, gen)
+    x, w0, w1 = rnd(gen, M, K), rnd(gen, N, K), rnd(gen, N, K)
+    b0, b1 = rnd(gen, N), rnd(gen, N)
+    perm, seg = route(mask, align=32)
+    out = torch.full((M, N), float("nan"))
+    gemm.launch_routed_linear(x, w0, w1, b0, b1, out, perm, seg, N, K, input_precision="tf32", GROUP_M=2, **T)
+    assert rel_err(out, ref_linear(x, w0, w1, b0, b1, mask)) < 2e-3
+
+
+def test_linear_ptr_m0():
+    N, K = 24, 40
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.zeros(0, dtype=torch.bool)
+    x = torch.empty(0, K)
+    w0, w1 = rnd(gen, N, K), rnd(gen, N, K)
+    b0, b1 = rnd(gen, N), rnd(gen, N)
+    perm, seg = route(mask, align=ALIGN)
+    out = torch.empty(0, N)
+    gemm.launch_routed_linear(x, w0, w1, b0, b1, out, perm, seg, N, K, **T)
+
+
+# ---------------------------------------------------------------------- grad-input (W not transposed)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "all_true"])
+def test_grad_input_ptr(dtype, kind):
+    M, N, K = 37, 24, 40  # linear: x [M, K], W_e [N, K]; dX = dY @ W_e
+    gen = torch.Generator().manual_seed(4)
+    mask = make_mask(kind, M, gen)
+    dy = rnd(gen, M, N, dtype=dtype)
+    w0, w1 = rnd(gen, N, K, dtype=dtype), rnd(gen, N, K, dtype=dtype)
+    perm, seg = route(mask, align=ALIGN)
+    dx = torch.full((M, K), float("nan"), dtype=dtype)
+    gemm.launch_routed_linear(dy, w0, w1, None, None, dx, perm, seg, K, N, w_transposed=True,
+                              input_precision=prec(dtype), **T)
+    dyd = dy.double()
+    ref = torch.where(mask[:, None], dyd @ w1.double(), dyd @ w0.double())
+    assert rel_err(dx, ref) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------ pointer swiglu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "all_false", "span"])
+def test_swiglu_ptr(dtype, kind):
+    M, I, K = 37, 24, 40
+    gen = torch.Generator().manual_seed(5)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, K, dtype=dtype)
+    ws = [rnd(gen, I, K, dtype=dtype) for _ in range(4)]  # w1_0, w1_1, w3_0, w3_1
+    perm, seg = route(mask, align=ALIGN)
+    ref = ref_swiglu_h(x, ws[0], ws[1], ws[2], ws[3], mask)
+    # original-order output
+    h = torch.full((M, I), float("nan"), dtype=dtype)
+    gemm.launch_routed_swiglu(x, *ws, h, perm, seg, I, K, scatter_out=True, input_precision=prec(dtype), **T)
+    assert rel_err(h, ref) < TOL[dtype]
+    # expert-ordered padded output: rows [0, seg[2]) written, padding rows are zero
+    hp = torch.full((perm.shape[0], I), float("nan"), dtype=dtype)
+    gemm.launch_routed_swiglu(x, *ws, hp, perm, seg, I, K, scatter_out=False, input_precision=prec(dtype), **T)
+    valid = perm >= 0
+    assert rel_err(hp[valid], ref[perm[valid].long()]) < TOL[dtype]
+    end = int(seg[2])
+    assert (hp[:end][~valid[:end]] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------ TMA path
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", MASKS)
+def test_linear_tma(dtype, kind):
+    M, N, K = 37, 24, 40
+    gen = torch.Generator().manual_seed(6)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, K, dtype=dtype)
+    w = rnd(gen, 2, N, K, dtype=dtype)  # stacked [w0; w1]
+    b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
+    perm, seg = route(mask, align=ALIGN)
+    xg = torch.full((perm.shape[0], K), float("nan"), dtype=dtype)
+    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    assert torch.isfinite(xg).all()
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    # 3 persistent programs over 8 tiles
+    gemm.launch_routed_linear_tma(xg, w, b0, b1, out, perm, seg, input_precision=prec(dtype), num_programs=3, **T)
+    assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_grad_input_tma(dtype):
+    M, N, K = 37, 24, 40
+    gen = torch.Generator().manual_seed(7)
+    mask = make_mask("random", M, gen)
+    dy = rnd(gen, M, N, dtype=dtype)
+    w = rnd(gen, 2, N, K, dtype=dtype)
+    perm, seg = route(mask, align=ALIGN)
+    dyg = torch.empty(perm.shape[0], N, dtype=dtype)
+    gemm.launch_gather_rows(dy, dyg, perm, BLOCK_R=16, BLOCK_C=32)
+    dx = torch.full((M, K), float("nan"), dtype=dtype)
+    gemm.launch_routed_linear_tma(dyg, w, None, None, dx, perm, seg, w_transposed=True, input_precision="ieee",
+                                  num_programs=5, **T)
+    dyd = dy.double()
+    ref = torch.where(mask[:, None], dyd @ w[1].double(), dyd @ w[0].double())
+    assert rel_err(dx, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "all_true"])
+def test_ffn_tma(dtype, kind):
+    """gather -> swiglu (TMA, expert-ordered h) -> down (TMA, scatter) == dual-expert SwiGLU MLP."""
+    M, H, I = 37, 40, 24
+    gen = torch.Generator().manual_seed(8)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, H, dtype=dtype)
+    w1, w3 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype)
+    w2 = rnd(gen, 2, H, I, dtype=dtype)
+    perm, seg = route(mask, align=ALIGN)
+    M_pad = perm.shape[0]
+    xg = torch.empty(M_pad, H, dtype=dtype)
+    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    h = torch.zeros(M_pad, I, dtype=dtype)  # rows >= seg[2] are never written (left zero here)
+    gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision=prec(dtype), num_programs=4, **T)
+    out = torch.full((M, H), float("nan"), dtype=dtype)
+    gemm.launch_routed_linear_tma(h, w2, None, None, out, perm, seg, input_precision=prec(dtype), **T)
+    hr = ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)
+    ref = torch.where(mask[:, None], hr @ w2[1].double().T, hr @ w2[0].double().T)
+    assert rel_err(out, ref) < 3 * TOL[dtype]
+
+
+def test_tma_m0():
+    N, K = 24, 40
+    gen = torch.Generator().manual_seed(9)
+    perm, seg = route(torch.zeros(0, dtype=torch.bool), align=ALIGN)
+    x = torch.empty(0, K)
+    xg = torch.empty(perm.shape[0], K)
+    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    assert (xg == 0).all()
+    out = torch.empty(0, N)
+    gemm.launch_routed_linear_tma(xg, rnd(gen, 2, N, K), None, None, out, perm, seg, **T)
+
+
+# ------------------------------------------------------------------------------------- grad-weight
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("gather", [True, False])
+def test_grad_weight(dtype, kind, gather):
+    M, N, K = 37, 24, 40
+    gen = torch.Generator().manual_seed(10)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, K, dtype=dtype)
+    dy = rnd(gen, M, N, dtype=dtype)
+    perm, seg = route(mask, align=ALIGN)
+    if gather:
+        dy_in, x_in = dy, x
+    else:
+        dy_in = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
+        x_in = torch.full((perm.shape[0], K), float("nan"), dtype=dtype)
+        gemm.launch_gather_rows(dy, dy_in, perm, BLOCK_R=16, BLOCK_C=32)
+        gemm.launch_gather_rows(x, x_in, perm, BLOCK_R=16, BLOCK_C=32)
+    dw0 = torch.full((N, K), float("nan"))
+    dw1 = torch.full((N, K), float("nan"))
+    db0 = torch.full((N, ), float("nan"))
+    db1 = torch.full((N, ), float("nan"))
+    gemm.launch_routed_grad_weight(dy_in, x_in, perm, seg, dw0, dw1, db0, db1, gather=gather,
+                                   input_precision=prec(dtype), BN=16, BK=16, BR=16)
+    xd, dyd = x.double(), dy.double()
+    m1 = mask.double()[:, None]
+    ref1 = (dyd * m1).T @ xd
+    ref0 = (dyd * (1 - m1)).T @ xd
+    for out, ref in ((dw0, ref0), (dw1, ref1), (db0, (dyd * (1 - m1)).sum(0)), (db1, (dyd * m1).sum(0))):
+        if ref.norm() == 0:
+            assert (out == 0).all()
+        else:
+            assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_grad_weight_accumulate():
+    M, N, K = 37, 24, 40
+    gen = torch.Generator().manual_seed(11)
+    mask = make_mask("random", M, gen)
+    x, dy = rnd(gen, M, K), rnd(gen, M, N)
+    perm, seg = route(mask, align=ALIGN)
+    dw0, dw1 = rnd(gen, N, K), rnd(gen, N, K)
+    base0, base1 = dw0.double().clone(), dw1.double().clone()
+    gemm.launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, accumulate=True, input_precision="ieee",
+                                   BN=16, BK=16, BR=16)
+    m1 = mask.double()[:, None]
+    assert rel_err(dw1, base1 + (dy.double() * m1).T @ x.double()) < 1e-5
+    assert rel_err(dw0, base0 + (dy.double() * (1 - m1)).T @ x.double()) < 1e-5
