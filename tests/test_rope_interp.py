@@ -92,3 +92,15 @@ def test_rope_kernel_out_of_range_positions_read_nothing():
     ref = rope_reference(t[:2], f, "sbhd", False)
     assert rel_err(out[:2], ref) < 1e-6
     assert torch.isfinite(out).all()
+
+
+def test_rope_kernel_large_angles_fp32_accuracy():
+    # Positions times frequencies reach thousands of radians (s = 16K, inv_freq up to 1): the kernel's own
+    # range-reduced sin/cos must stay fp32-accurate there.
+    s, b, h, d = 64, 1, 2, 32
+    t = torch.randn(s, b, h, d)
+    f = (torch.rand(s, 1, 1, d) * 16384.0).float()
+    for backward in (False, True):
+        out = rope_launch(t, f, "sbhd", False, backward=backward)
+        ref = rope_reference(t, f, "sbhd", False, backward=backward)
+        assert rel_err(out, ref) < 2e-6
