@@ -23,6 +23,18 @@ TORCH_LIBRARY(fused, m) {
   // rope_bwd of both gradients of rope_fwd_qk in one launch.
   m.def("rope_bwd_qk(Tensor grad_q, Tensor grad_k, Tensor freqs, str tensor_format=\"sbhd\", bool interleaved=False, "
         "Tensor? cu_seqlens=None, Tensor? start_positions=None, int cp_size=1, int cp_rank=0) -> (Tensor, Tensor)");
+  // Modality-routed linear (docs/design.md): out[i] = x[i]·weight_vᵀ + bias_v if mask[i] else x[i]·weight_tᵀ + bias_t.
+  m.def("linear_dual(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
+        "Tensor? bias_t=None, bool allow_tf32=False) -> Tensor");
+  // Gradients of linear_dual: (grad_x, grad_weight_v, grad_weight_t, grad_bias_v, grad_bias_t).
+  m.def("linear_dual_backward(Tensor grad_out, Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, "
+        "bool allow_tf32=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // SwiGLU MLP w2(silu(x·w1ᵀ) ⊙ x·w3ᵀ); dual expert (mask, u*): token i uses w* if mask[i] (vision) else u* (text).
+  m.def("ffn(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, Tensor? u3=None, "
+        "Tensor? u2=None, bool allow_tf32=False) -> Tensor");
+  // Gradients of ffn, recomputing gate/up from x: [grad_x, grad_w1, grad_w3, grad_w2] (+ grad_u1, grad_u3, grad_u2).
+  m.def("ffn_backward(Tensor grad_out, Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, "
+        "Tensor? u3=None, Tensor? u2=None, bool allow_tf32=False) -> Tensor[]");
   // Turns the input checks that read device memory (cu_seqlens, start_positions: a host sync) on or off;
   // returns the previous setting. They are always skipped during CUDA graph capture.
   m.def("set_sync_checks(bool enabled) -> bool", [](bool enabled) { return fused::set_sync_checks(enabled); });

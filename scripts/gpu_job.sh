@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# One GPU job: environment report, Liger-Kernel wheel, build + install, tests, RoPE benchmark.
+# One GPU job: environment report, Liger-Kernel wheel, build + install, tests, RoPE benchmark,
+# routed-GEMM benchmarks (linear_dual, ffn).
 #
 #   OUT=/some/dir bash scripts/gpu_job.sh      # from anywhere; it cd's to the repository root
 #
 # On the device tool: run `bash scripts/gpu_job.sh` with carry=[".whl"] (the Liger wheel lives in the
 # git-ignored .whl/ folder; without it the benchmark just prints "liger-kernel not available").
 #
-# Files written to $OUT (7, the device tool brings back at most 8):
+# Files written to $OUT (8, the device tool brings back at most 8):
 #   job.log          environment, step timings and the final summary
 #   build.log        full (verbose) build output
-#   tests.log        pytest -m gpu, then the full suite
+#   tests.log        pytest -m gpu, then the full suite (both include tests/test_linear_dual_ops.py and
+#                    tests/test_ffn_ops.py, which live in tests/ like every other test file)
 #   bench_rope.log   benchmark output
 #   bench_rope.json  all benchmark numbers, bench_rope.md its table, rope_sweep.png the sweep plot
+#   bench_routed.log benchmarks/bench_linear_dual.py then benchmarks/bench_ffn.py (tables and PASS/FAIL
+#                    targets; one file for both so that $OUT stays at 8 files)
+#
+# BENCHES selects the benchmark steps (default all three): e.g. BENCHES="linear_dual ffn" gives the routed
+# benchmarks the time the RoPE benchmark would take. Each routed benchmark runs under `timeout 150`
+# (ROUTED_BENCH_S); the RoPE benchmark keeps that much time in reserve for each of them, so with a slow
+# build it is the RoPE sweep that shrinks (or is skipped), not the routed benchmarks.
 #
 # Every step is guarded (a failing step does not stop the next ones) and runs under its own
 # `timeout`; the timeouts are also clipped so that the whole job ends within JOB_BUDGET_S seconds
@@ -19,11 +28,15 @@
 set -u -o pipefail
 
 # ============================ build command: edit here ============================
-BUILD_CMD="${BUILD_CMD:-python3 -m pip install --no-build-isolation --no-deps -v .}"
+# The README's set-up (scripts/setup_env.sh: .venv reusing the machine's torch, AOT step, C++ build).
+BUILD_CMD="${BUILD_CMD:-bash -c 'source scripts/setup_env.sh'}"
 # ==================================================================================
 PY="${PY:-python3}"
 JOB_BUDGET_S="${JOB_BUDGET_S:-530}"
 BENCH_ARGS="${BENCH_ARGS:-}"          # extra flags for bench_rope.py, e.g. "--quick"
+BENCHES="${BENCHES:-rope linear_dual ffn}"  # benchmark steps to run
+ROUTED_BENCH_S="${ROUTED_BENCH_S:-150}"    # timeout of each routed-GEMM benchmark
+ROUTED_BENCH_ARGS="${ROUTED_BENCH_ARGS:-}" # extra flags for bench_linear_dual.py and bench_ffn.py, e.g. "--rep 50"
 LIGER_SITE="${LIGER_SITE:-/tmp/site}"
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || { echo "cannot cd to the repository root"; exit 1; }
@@ -35,7 +48,7 @@ JOB_LOG="$OUT/job.log"
 
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
 export PIP_NO_INDEX=1   # no network on the GPU machine: never let pip wait on an index
-export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS JOB_LOG
+export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS JOB_LOG
 
 SUMMARY=()
 say() { echo "$*" | tee -a "$JOB_LOG"; }
@@ -120,11 +133,24 @@ step_build() {
     echo "BUILD_CMD: $BUILD_CMD"
     eval "$BUILD_CMD" || return $?
     echo "--- import check"
-    (cd /tmp && "$PY" -c "import fused_ops, torch; print('fused_ops from', fused_ops.__file__); print('ops:', [o for o in ('rope_fwd', 'rope_bwd', 'rope_fwd_', 'rope_fwd_qk') if hasattr(torch.ops.fused, o)])")
+    (cd /tmp && "$PY" -c "import fused_ops, torch; print('fused_ops from', fused_ops.__file__); print('ops:', [o for o in ('rope_fwd', 'rope_bwd', 'rope_fwd_', 'rope_fwd_qk', 'linear_dual', 'linear_dual_backward', 'ffn', 'ffn_backward') if hasattr(torch.ops.fused, o)])")
 }
 
 step_tests_gpu() {
-    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests
+    "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests
+}
+
+step_repro() {
+    # A bad-input call on CUDA must raise, not crash; under cuda-gdb a crash leaves a native backtrace.
+    if command -v cuda-gdb >/dev/null; then
+        cuda-gdb -q -batch -ex run -ex bt --args "$PY" scripts/repro_error_path.py
+    else
+        "$PY" scripts/repro_error_path.py
+    fi
+}
+
+step_main() {
+    "$PY" examples/transformer_block.py
 }
 
 step_tests_all() {
@@ -140,18 +166,43 @@ step_bench() {
         "$PY" benchmarks/bench_rope.py --out "$OUT" --budget-s "$budget" $BENCH_ARGS
 }
 
-export -f step_env step_liger step_build step_tests_gpu step_tests_all step_bench
+step_bench_linear_dual() {
+    "$PY" benchmarks/bench_linear_dual.py $ROUTED_BENCH_ARGS
+}
+
+step_bench_ffn() {
+    "$PY" benchmarks/bench_ffn.py $ROUTED_BENCH_ARGS
+}
+
+export -f step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
+    step_bench_ffn
+
+has_bench() { [[ " $BENCHES " == *" $1 "* ]]; }
+# time kept for the routed benchmarks that follow a step (their timeout + 5 s of start-up each)
+ROUTED_AFTER_ROPE=0
+has_bench linear_dual && ROUTED_AFTER_ROPE=$(( ROUTED_AFTER_ROPE + ROUTED_BENCH_S + 5 ))
+has_bench ffn && ROUTED_AFTER_ROPE=$(( ROUTED_AFTER_ROPE + ROUTED_BENCH_S + 5 ))
+ROUTED_AFTER_LINEAR=0
+has_bench ffn && ROUTED_AFTER_LINEAR=$(( ROUTED_BENCH_S + 5 ))
 
 # ------------------------------------------------------------------------------- run
 say "gpu_job: repo $REPO, OUT $OUT, budget ${JOB_BUDGET_S}s, $(date -u)"
 #        name        max  reserve  log                    show  function
-run_step env          45     0    "$JOB_LOG"              1     step_env
-run_step liger        60     0    "$JOB_LOG"              1     step_liger
-run_step build       240   240    "$OUT/build.log"        0     step_build
+STEPS="${STEPS:-env liger build repro tests-gpu main bench-rope bench-linear bench-ffn}"
+has_step() { [[ " $STEPS " == *" $1 "* ]]; }
+#        name        max  reserve  log                    show  function
+has_step env && run_step env          45     0    "$JOB_LOG"              1     step_env
+has_step liger && run_step liger        60     0    "$JOB_LOG"              1     step_liger
+has_step build && run_step build       300   120    "$OUT/build.log"        0     step_build
 echo "--- last lines of build.log:"; tail -n 25 "$OUT/build.log" 2>/dev/null
-run_step tests-gpu   120   210    "$OUT/tests.log"        1     step_tests_gpu
-run_step tests-all   120   190    "$OUT/tests.log"        1     step_tests_all
-run_step bench       330    15    "$OUT/bench_rope.log"   1     step_bench
+PY="$REPO/.venv/bin/python"   # what the build step made; every later step uses it
+export PY
+has_step repro && run_step repro        60    60    "$OUT/tests.log"        1     step_repro
+has_step tests-gpu && run_step tests-gpu  330    40    "$OUT/tests.log"        1     step_tests_gpu
+has_step main && run_step main         60     0    "$OUT/tests.log"        1     step_main
+has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/bench_rope.log" 1 step_bench
+has_step bench-linear && run_step bench-linear "$ROUTED_BENCH_S" $(( 15 + ROUTED_AFTER_LINEAR )) "$OUT/bench_routed.log" 1 step_bench_linear_dual
+has_step bench-ffn && run_step bench-ffn "$ROUTED_BENCH_S" 15 "$OUT/bench_routed.log" 1 step_bench_ffn
 
 {
     echo
@@ -162,6 +213,12 @@ run_step bench       330    15    "$OUT/bench_rope.log"   1     step_bench
     echo "--- benchmark targets:"
     grep -E '^- (PASS|FAIL|N/A):' "$OUT/bench_rope.md" 2>/dev/null || echo "(no bench_rope.md)"
     grep -E '^bench_rope: ' "$OUT/bench_rope.log" 2>/dev/null | tail -n 2
+    echo "--- routed benchmark targets (bench_routed.log):"
+    grep -E '^- (PASS|FAIL|N/A): .*\(target ' "$OUT/bench_routed.log" 2>/dev/null || echo "(no routed targets)"
+    grep -E '^bench_(linear_dual|ffn): ' "$OUT/bench_routed.log" 2>/dev/null | tail -n 4
+    echo "--- routed-op test failures (tests.log):"
+    routed_failed=$(grep -E '^(FAILED|ERROR) tests/test_(linear_dual|ffn)_ops\.py' "$OUT/tests.log" 2>/dev/null | sort -u)
+    if [[ -n $routed_failed ]]; then head -n 40 <<<"$routed_failed"; else echo "(none)"; fi
     echo "--- files in $OUT:"; ls -la "$OUT"
 } 2>&1 | tee -a "$JOB_LOG"
 exit 0

@@ -22,6 +22,7 @@ def _load_library():
 library_path = _load_library()
 
 from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb, apply_rotary_pos_emb_qk  # noqa: E402
+from .routed import DualExpertSwiGLU, DualLinear, FusedSwiGLU, ffn, linear_dual  # noqa: E402
 
 
 def set_sync_checks(enabled: bool) -> bool:
@@ -36,5 +37,5 @@ def built_archs() -> str:
     return _torch.ops.fused.built_archs()
 
 
-__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "set_sync_checks",
-           "built_archs", "library_path"]
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "linear_dual", "DualLinear",
+           "ffn", "FusedSwiGLU", "DualExpertSwiGLU", "set_sync_checks", "built_archs", "library_path"]

@@ -1,0 +1,510 @@
+#!/usr/bin/env python3
+"""Routed linear benchmark: torch.ops.fused.linear_dual (each token through the vision or the text expert) against
+cuBLAS and the usual unfused ways of writing it.
+
+    python3 benchmarks/bench_linear_dual.py             # ~30 s on an H100
+    python3 benchmarks/bench_linear_dual.py --only fwd,decode --rep 50
+    python3 benchmarks/bench_linear_dual.py --out DIR   # also write DIR/bench_linear_dual.{json,md}
+
+Cases (bf16, weights nn.Linear [N, K] stacked in one [2, N, K] tensor as DualLinear stores them, no bias):
+  fwd     M = K = N = 4096, masks rand50 / all_true / all_false / span (one contiguous vision run of M/2 tokens):
+            fused_ops            linear_dual
+            cuBLAS 1 GEMM        F.linear(x, weight_v): the same M, N, K as ONE GEMM (the ceiling; target <= 1.1x)
+            both + where         both experts over all tokens, torch.where(mask, y_v, y_t) (2x the FLOPs)
+            gather+cuBLAS        index_select each expert's rows, F.linear per expert, index_copy_ back
+                                 (row indices precomputed outside the timing: favours this baseline)
+  bwd     same shapes and masks: linear_dual_backward (grad x + both grad weights + both grad biases) against the
+          cuBLAS time of the same GEMMs on all M rows: dX = dY·W and dW = dYᵀ·X (target <= 1.2x); gather+cuBLAS
+          backward as information.
+  decode  M = 1, 4, 16, 64 tokens, random mask: linear_dual vs gather+cuBLAS (and one F.linear); weights rotated
+          past L2, so every call reads them from HBM. No target (information).
+
+TFLOP/s count useful work only: 2·M·N·K (each token through one expert); "both + where" is charged the same.
+Timing: benchmarks/common.py (median of CUDA-event times, inputs rotated past 2x L2, GPU held while reps enqueue).
+Correctness: every timed implementation runs once more on a fixed input and is compared with a float64 evaluation
+of what it claims to compute: ||out - ref|| / ||ref|| < 1e-2, else its targets FAIL.
+
+Exit codes: 0 all targets PASS, 1 a target FAILed or a case errored, 2 no CUDA / fused_ops (or the op) missing,
+3 interrupted (SIGTERM/SIGINT; what was measured is still reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+NAME = "bench_linear_dual"
+ERR_TOL = 1e-2
+TARGET_FWD_VS_CUBLAS = 1.10
+TARGET_BWD_VS_CUBLAS = 1.20
+SIZE = 4096
+DECODE_MS = (1, 4, 16, 64)
+MASKS = ("rand50", "all_true", "all_false", "span")
+
+IMPL_FUSED = "fused_ops"
+IMPL_CUBLAS = "cuBLAS 1 GEMM"
+IMPL_WHERE = "both + where"
+IMPL_GATHER = "gather+cuBLAS"
+
+torch = None  # set in main() after the environment checks
+F = None
+common = None
+DEV = None
+
+
+class Interrupted(BaseException):
+    pass
+
+
+def _on_signal(signum, frame):  # noqa: ARG001
+    raise Interrupted(f"signal {signum}")
+
+
+def die_env(msg: str) -> None:
+    print(f"{NAME}: cannot run: {msg}", file=sys.stderr, flush=True)
+    print(f"{NAME}: SKIPPED ({msg})", flush=True)
+    sys.exit(2)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# =============================================================================== bookkeeping
+class Results:
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.targets: list[dict] = []
+        self.errors: list[dict] = []
+
+    def error(self, where: str, exc: BaseException) -> str:
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+        msg = msg if len(msg) <= 400 else msg[:400] + " ..."
+        self.errors.append({"where": where, "error": msg, "traceback": traceback.format_exc(limit=6)})
+        log(f"  !! {where}: {msg}")
+        return msg
+
+    def add_row(self, **row) -> dict:
+        self.rows.append(row)
+        return row
+
+    def target(self, name: str, value, thr: float, le: bool, unit: str, rows=()) -> None:
+        """Records and prints one target; FAIL when a row it depends on errored or produced a wrong output."""
+        t = {"name": name, "value": value, "threshold": thr, "cmp": "<=" if le else ">=", "status": "FAIL",
+             "why": ""}
+        bad = [r for r in rows if r is None or r.get("error") or r.get("ok") is False]
+        if bad:
+            t["why"] = "; ".join("not measured" if r is None else
+                                 (f"{r['impl']}: error" if r.get("error") else f"{r['impl']}: wrong output")
+                                 for r in bad)
+        elif value is None or value != value:
+            t["why"] = "no measurement"
+        elif (value <= thr) if le else (value >= thr):
+            t["status"] = "PASS"
+        t["shown"] = f"{value:.3f}{unit}" if value is not None and value == value else "n/a"
+        self.targets.append(t)
+        log(f"- {t['status']}: {name}: {t['shown']} ({'<=' if le else '>='} {thr}{unit})"
+            + (f" ({t['why']})" if t["why"] else ""))
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (nan if out has a non-finite value or the wrong shape)."""
+    if tuple(out.shape) != tuple(ref.shape):
+        raise RuntimeError(f"output shape {tuple(out.shape)} != expected {tuple(ref.shape)}")
+    o = out.double()
+    if not bool(torch.isfinite(o).all()):
+        return float("nan")
+    den = float(ref.norm())
+    return float((o - ref).norm()) / den if den > 0 else float(o.norm())
+
+
+def measure(res: Results, opts, case, impl, fn, arg_sets, flops, check=None, note="", wbytes=None):
+    """Times fn over the rotating arg_sets, then checks it once. Never raises except on interruption."""
+    row = res.add_row(case=case, impl=impl, ms=float("nan"), tflops=float("nan"), gbps=float("nan"), err=None,
+                      ok=None, error=None, note=note)
+    try:
+        with torch.no_grad():
+            ms = common.bench(fn, args=arg_sets, warmup=opts.warmup, rep=opts.rep)
+        row["ms"] = ms
+        row["tflops"] = flops / (ms * 1e-3) / 1e12 if flops else float("nan")
+        if wbytes:
+            row["gbps"] = common.gbps(wbytes, ms)
+    except Interrupted:
+        raise
+    except Exception as e:  # noqa: BLE001
+        row["error"] = res.error(f"{case}/{impl} timing", e)
+        row["ok"] = False
+        return row
+    if check is not None:
+        try:
+            with torch.no_grad():
+                err = check()
+            row["err"] = err
+            row["ok"] = bool(err == err and err < ERR_TOL)
+            if not row["ok"]:
+                log(f"  !! {case}/{impl}: WRONG OUTPUT, err={err:.3g} (tol {ERR_TOL})")
+        except Interrupted:
+            raise
+        except Exception as e:  # noqa: BLE001
+            row["error"] = res.error(f"{case}/{impl} correctness", e)
+            row["ok"] = False
+    log(f"  {case:16s} {impl:16s} {row['ms']:.4f} ms  {row['tflops']:6.1f} TFLOP/s"
+        + (f"  {row['gbps']:.0f} GB/s weights" if wbytes else "")
+        + (f"  err={row['err']:.1e}" if row["err"] is not None else ""))
+    return row
+
+
+def cleanup():
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def poisoned_call(fn, *args, out_bytes=0):
+    """fn(*args) after leaving a NaN block of out_bytes in the allocator (an unwritten output shows NaN)."""
+    if out_bytes:
+        p = torch.full((out_bytes // 4 + 1,), float("nan"), dtype=torch.float32, device=DEV)
+        del p
+    return fn(*args)
+
+
+# =============================================================================== inputs and implementations
+def make_mask(kind: str, M: int, gen) -> "torch.Tensor":
+    if kind == "rand50":
+        m = torch.rand(M, generator=gen) < 0.5
+    elif kind == "all_true":
+        m = torch.ones(M, dtype=torch.bool)
+    elif kind == "all_false":
+        m = torch.zeros(M, dtype=torch.bool)
+    elif kind == "span":
+        m = torch.zeros(M, dtype=torch.bool)
+        m[M // 4: M // 4 + max(1, M // 2)] = True
+    else:
+        raise ValueError(kind)
+    return m.to(DEV)
+
+
+def stacked_weights(N, K, dtype):
+    """[2, N, K] (0 = text, 1 = vision), nn.Linear-scaled, and its (weight_v, weight_t) views."""
+    w = (torch.randn(2, N, K, device=DEV, dtype=torch.float32) / math.sqrt(K)).to(dtype)
+    return w, w[1], w[0]
+
+
+def fused_fwd(mask, wv, wt):
+    return lambda x: torch.ops.fused.linear_dual(x, mask, wv, wt)
+
+
+def gather_fwd(iv, it, wv, wt, N):
+    def fn(x):
+        out = x.new_empty(x.shape[0], N)
+        out.index_copy_(0, iv, F.linear(x.index_select(0, iv), wv))
+        out.index_copy_(0, it, F.linear(x.index_select(0, it), wt))
+        return out
+    return fn
+
+
+def ref_fwd(x, mask, wv, wt):
+    """float64 [M, N], each row through its own expert."""
+    x64 = x.double()
+    return torch.where(mask[:, None], x64 @ wv.double().t(), x64 @ wt.double().t())
+
+
+def ref_bwd(g, x, mask, wv, wt):
+    """float64 (grad_x, grad_wv, grad_wt, grad_bv, grad_bt)."""
+    g64, x64 = g.double(), x.double()
+    mv = mask[:, None].double()
+    gx = torch.where(mask[:, None], g64 @ wv.double(), g64 @ wt.double())
+    return gx, (g64 * mv).t() @ x64, (g64 * (1 - mv)).t() @ x64, (g64 * mv).sum(0), (g64 * (1 - mv)).sum(0)
+
+
+# =============================================================================== cases
+def case_fwd(res: Results, opts):
+    M = K = N = SIZE
+    dt = torch.bfloat16
+    log(f"[fwd] M={M} K={K} N={N} bf16, 2 experts")
+    gen = torch.Generator().manual_seed(0)
+    w, wv, wt = stacked_weights(N, K, dt)
+    nsets = common.rotation_count(M * K * 2)
+    xs = [(torch.randn(M, K, device=DEV, dtype=dt),) for _ in range(nsets)]
+    x_chk = torch.randn(M, K, device=DEV, dtype=dt)
+    flops = 2.0 * M * N * K
+    ref_one = x_chk.double() @ wv.double().t()
+    cublas = lambda x: F.linear(x, wv)  # noqa: E731
+    r_cublas = measure(res, opts, "fwd", IMPL_CUBLAS, cublas, xs, flops,
+                       check=lambda: rel_err(poisoned_call(cublas, x_chk), ref_one),
+                       note="F.linear(x, weight_v): same M, N, K, one expert (ceiling)")
+    del ref_one
+    for kind in MASKS:
+        case = f"fwd {kind}"
+        mask = make_mask(kind, M, gen)
+        iv, it = mask.nonzero().reshape(-1), (~mask).nonzero().reshape(-1)
+        ref = ref_fwd(x_chk, mask, wv, wt)
+        impls = [(IMPL_FUSED, fused_fwd(mask, wv, wt), ""),
+                 (IMPL_WHERE, lambda x, mask=mask: torch.where(mask[:, None], F.linear(x, wv), F.linear(x, wt)),
+                  "2x the FLOPs"),
+                 (IMPL_GATHER, gather_fwd(iv, it, wv, wt, N), "indices precomputed (untimed)")]
+        rows = {}
+        for impl, fn, note in impls:
+            rows[impl] = measure(res, opts, case, impl, fn, xs, flops, note=note,
+                                 check=lambda fn=fn: rel_err(poisoned_call(fn, x_chk, out_bytes=M * N * 2), ref))
+        f = rows[IMPL_FUSED]
+        ratio = f["ms"] / r_cublas["ms"] if r_cublas["ms"] == r_cublas["ms"] else float("nan")
+        f["note"] = (f"{ratio:.3f}x cuBLAS time; speedup {rows[IMPL_GATHER]['ms'] / f['ms']:.2f}x vs gather+cuBLAS, "
+                     f"{rows[IMPL_WHERE]['ms'] / f['ms']:.2f}x vs both+where")
+        res.target(f"fwd {kind}: linear_dual time / cuBLAS F.linear time (M=K=N={M})", ratio,
+                   TARGET_FWD_VS_CUBLAS, True, "x", rows=[f, r_cublas])
+        del ref
+    del xs, w
+    cleanup()
+
+
+def case_bwd(res: Results, opts):
+    M = K = N = SIZE
+    dt = torch.bfloat16
+    log(f"[bwd] M={M} K={K} N={N} bf16: grad x + both grad weights (+ grad biases)")
+    gen = torch.Generator().manual_seed(1)
+    w, wv, wt = stacked_weights(N, K, dt)
+    nsets = common.rotation_count(M * (K + N) * 2)
+    sets = [(torch.randn(M, N, device=DEV, dtype=dt), torch.randn(M, K, device=DEV, dtype=dt)) for _ in range(nsets)]
+    g_chk, x_chk = torch.randn(M, N, device=DEV, dtype=dt), torch.randn(M, K, device=DEV, dtype=dt)
+    flops = 2.0 * 2.0 * M * N * K  # dX (M x K x N) + dW of both experts (N x K over M rows in all)
+
+    def cublas(g, x):
+        return torch.mm(g, wv), torch.mm(g.t(), x)
+
+    def cublas_chk():
+        gx, gw = poisoned_call(cublas, g_chk, x_chk)
+        g64, x64 = g_chk.double(), x_chk.double()
+        return max(rel_err(gx, g64 @ wv.double()), rel_err(gw, g64.t() @ x64))
+
+    r_cublas = measure(res, opts, "bwd", IMPL_CUBLAS, cublas, sets, flops, check=cublas_chk,
+                       note="dY·W + dYᵀ·X over all M rows, one expert (same GEMMs, no routing)")
+    for kind in MASKS:
+        case = f"bwd {kind}"
+        mask = make_mask(kind, M, gen)
+        iv, it = mask.nonzero().reshape(-1), (~mask).nonzero().reshape(-1)
+        fused = lambda g, x, mask=mask: torch.ops.fused.linear_dual_backward(g, x, mask, wv, wt)  # noqa: E731
+
+        def gather(g, x, iv=iv, it=it):
+            gx = torch.empty_like(x)
+            grads = []
+            for rows, we in ((iv, wv), (it, wt)):
+                ge, xe = g.index_select(0, rows), x.index_select(0, rows)
+                gx.index_copy_(0, rows, torch.mm(ge, we))
+                grads += [torch.mm(ge.t(), xe), ge.sum(0)]
+            return gx, grads[0], grads[2], grads[1], grads[3]
+
+        ref = ref_bwd(g_chk, x_chk, mask, wv, wt)
+
+        def chk(fn):
+            got = poisoned_call(fn, g_chk, x_chk, out_bytes=(M * K + 2 * N * K) * 2)
+            errs = []
+            for gt, rf in zip(got, ref):
+                if float(rf.norm()) == 0:  # an expert with no tokens: its gradients must be exactly zero
+                    errs.append(0.0 if not bool(gt.any()) else float("inf"))
+                else:
+                    errs.append(rel_err(gt, rf))
+            return max(errs)
+
+        rows = {}
+        for impl, fn, note in ((IMPL_FUSED, fused, "linear_dual_backward (5 outputs)"),
+                               (IMPL_GATHER, gather, "info: indices precomputed (untimed)")):
+            rows[impl] = measure(res, opts, case, impl, fn, sets, flops, check=lambda fn=fn: chk(fn), note=note)
+        f = rows[IMPL_FUSED]
+        ratio = f["ms"] / r_cublas["ms"] if r_cublas["ms"] == r_cublas["ms"] else float("nan")
+        f["note"] += f"; {ratio:.3f}x cuBLAS GEMM time; speedup {rows[IMPL_GATHER]['ms'] / f['ms']:.2f}x vs gather"
+        res.target(f"bwd {kind}: linear_dual_backward time / cuBLAS GEMM time", ratio, TARGET_BWD_VS_CUBLAS, True,
+                   "x", rows=[f, r_cublas])
+        del ref
+    del sets, w
+    cleanup()
+
+
+def case_decode(res: Results, opts):
+    K = N = SIZE
+    dt = torch.bfloat16
+    log(f"[decode] M in {DECODE_MS}, K=N={K} bf16, random mask, weights rotated past L2")
+    gen = torch.Generator().manual_seed(2)
+    nw = common.rotation_count(2 * N * K * 2)
+    ws = [stacked_weights(N, K, dt) for _ in range(nw)]
+    for M in DECODE_MS:
+        case = f"decode M={M}"
+        mask = make_mask("rand50", M, gen)
+        if M >= 2 and (bool(mask.all()) or not bool(mask.any())):
+            mask[0] = ~mask[0]  # both experts present
+        n_exp = int(bool(mask.any())) + int(not bool(mask.all()))
+        iv, it = mask.nonzero().reshape(-1), (~mask).nonzero().reshape(-1)
+        sets = [(torch.randn(M, K, device=DEV, dtype=dt), w[1], w[2]) for w in ws]
+        x_chk = sets[0][0]
+        ref = ref_fwd(x_chk, mask, ws[0][1], ws[0][2])
+        flops = 2.0 * M * N * K
+        wbytes = n_exp * N * K * 2
+
+        def gather(x, wv, wt, iv=iv, it=it):
+            return gather_fwd(iv, it, wv, wt, N)(x)
+
+        impls = [(IMPL_FUSED, lambda x, wv, wt, mask=mask: torch.ops.fused.linear_dual(x, mask, wv, wt), ""),
+                 (IMPL_GATHER, gather, "indices precomputed (untimed)"),
+                 (IMPL_CUBLAS, lambda x, wv, wt: F.linear(x, wv), "one expert only (reads half the weights)")]
+        rows = {}
+        for impl, fn, note in impls:
+            want = x_chk.double() @ ws[0][1].double().t() if impl == IMPL_CUBLAS else ref
+
+            def chk(fn=fn, want=want):
+                return rel_err(poisoned_call(fn, *sets[0], out_bytes=M * N * 2), want)
+
+            wb = N * K * 2 if impl == IMPL_CUBLAS else wbytes
+            rows[impl] = measure(res, opts, case, impl, fn, sets, flops, check=chk, note=note, wbytes=wb)
+        f = rows[IMPL_FUSED]
+        f["note"] = f"{n_exp} expert(s) read; speedup {rows[IMPL_GATHER]['ms'] / f['ms']:.2f}x vs gather+cuBLAS"
+        del sets
+    del ws
+    cleanup()
+
+
+# =============================================================================== reporting
+def render_markdown(res: Results, meta: dict) -> str:
+    lines = [f"# Routed linear (linear_dual) benchmark on {meta['device']}", "",
+             f"torch {meta['torch']}, CUDA {meta['cuda']}, L2 {meta['l2_bytes'] / 2**20:.0f} MiB, warmup "
+             f"{meta['warmup']}, rep {meta['rep']} (median of CUDA-event times, inputs rotated past 2x L2). "
+             "TFLOP/s = useful work (2·M·N·K, each token through one expert) / time.", ""]
+    headers = ["case", "impl", "ms", "TFLOP/s", "GB/s (weights)", "err", "note"]
+    rows = []
+    for r in res.rows:
+        note = r.get("note") or ""
+        if r.get("error"):
+            note = (note + " ERROR: " + r["error"][:120]).strip()
+        err = r.get("err")
+        rows.append([r["case"], r["impl"], r["ms"], r["tflops"], r.get("gbps"),
+                     (f"{err:.1e}" + ("" if r.get("ok") else " WRONG")) if err is not None else "-", note])
+    lines.append(common.format_table(headers, rows, [None, None, ".4f", ".1f", ".0f", None, None]))
+    lines += ["", f"Targets ({meta['device']}):", ""]
+    for t in res.targets:
+        lines.append(f"- {t['status']}: {t['name']}: {t['shown']} (target {t['cmp']} {t['threshold']})"
+                     + (f" ({t['why']})" if t["why"] else ""))
+    if res.errors:
+        lines += ["", "Errors:", ""] + [f"- {e['where']}: {e['error']}" for e in res.errors]
+    if meta.get("interrupted"):
+        lines += ["", f"INTERRUPTED: {meta['interrupted']} (partial results)"]
+    return "\n".join(lines) + "\n"
+
+
+def _clean(o):
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+# =============================================================================== main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls per measurement (default 5)")
+    p.add_argument("--rep", type=int, default=20, help="timed calls per measurement (default 20)")
+    p.add_argument("--only", default="fwd,bwd,decode", help="comma list of cases: fwd,bwd,decode")
+    p.add_argument("--out", metavar="DIR", help=f"also write {NAME}.json and {NAME}.md here")
+    a = p.parse_args(argv)
+    a.only = {c.strip() for c in a.only.split(",") if c.strip()}
+    bad = a.only - {"fwd", "bwd", "decode"}
+    if bad:
+        p.error(f"unknown case(s) in --only: {', '.join(sorted(bad))}")
+    if a.warmup < 1 or a.rep < 1:
+        p.error("--warmup and --rep must be >= 1")
+    return a
+
+
+def main(argv=None) -> int:
+    global torch, F, common, DEV
+    opts = parse_args(argv)
+    t_start = time.monotonic()
+    try:
+        import torch as _torch
+        import torch.nn.functional as _F
+    except Exception as e:  # noqa: BLE001
+        die_env(f"torch is not importable ({type(e).__name__}: {e})")
+    torch, F = _torch, _F
+    import common as _common
+
+    common = _common
+    if not torch.cuda.is_available():
+        die_env("CUDA is not available (torch.cuda.is_available() is False); run this on the GPU machine")
+    try:
+        import fused_ops  # noqa: F401  (loads the library and registers torch.ops.fused.*)
+    except Exception as e:  # noqa: BLE001
+        die_env(f"`import fused_ops` failed ({type(e).__name__}: {e}); build and install the package first "
+                "(python3 -m pip install --no-build-isolation --no-deps .)")
+    missing = [op for op in ("linear_dual", "linear_dual_backward") if not hasattr(torch.ops.fused, op)]
+    if missing:
+        die_env(f"torch.ops.fused.{', '.join(missing)} not registered after `import fused_ops` (older build?)")
+    DEV = torch.device("cuda", torch.cuda.current_device())
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    torch.manual_seed(0)
+    meta = {"device": common.device_name(DEV), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "l2_bytes": common.l2_cache_bytes(DEV), "warmup": opts.warmup, "rep": opts.rep,
+            "cases": sorted(opts.only), "err_tol": ERR_TOL, "interrupted": None}
+    log(f"{NAME}: device {meta['device']}  torch {meta['torch']}  CUDA {meta['cuda']}  "
+        f"L2 {meta['l2_bytes'] / 2**20:.0f} MiB  warmup {opts.warmup} rep {opts.rep}")
+
+    res = Results()
+    try:
+        for name, run in (("fwd", case_fwd), ("bwd", case_bwd), ("decode", case_decode)):
+            if name not in opts.only:
+                continue
+            t0 = time.monotonic()
+            try:
+                run(res, opts)
+            except Interrupted:
+                raise
+            except Exception as e:  # noqa: BLE001
+                res.error(f"case {name}", e)
+                try:
+                    cleanup()
+                except Exception:  # noqa: BLE001
+                    pass
+            log(f"  ({name}: {time.monotonic() - t0:.1f} s)")
+    except Interrupted as e:
+        meta["interrupted"] = str(e)
+        log(f"interrupted ({e}); reporting partial results")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    md = render_markdown(res, meta)
+    print("\n" + md, flush=True)
+    if opts.out:
+        try:
+            os.makedirs(opts.out, exist_ok=True)
+            with open(os.path.join(opts.out, f"{NAME}.md"), "w") as f:
+                f.write(md)
+            with open(os.path.join(opts.out, f"{NAME}.json"), "w") as f:
+                json.dump(_clean({"meta": meta, "rows": res.rows, "targets": res.targets, "errors": res.errors}), f,
+                          indent=1)
+        except Exception as e:  # noqa: BLE001
+            log(f"  could not write outputs to {opts.out}: {type(e).__name__}: {e}")
+    n_pass = sum(t["status"] == "PASS" for t in res.targets)
+    n_fail = sum(t["status"] == "FAIL" for t in res.targets)
+    log(f"{NAME}: {n_pass} PASS, {n_fail} FAIL, {len(res.errors)} errors, {meta['elapsed_s']} s on {meta['device']}")
+    if meta["interrupted"]:
+        return 3
+    return 1 if (n_fail or res.errors) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+// ffn: the (dual-expert) SwiGLU MLP (docs/design.md "Routed GEMM ops"): shared checks and backends.
+//   single expert (mask, u1, u3, u2 all None): out = w2(silu(x·w1ᵀ) ⊙ (x·w3ᵀ))
+//   dual expert: token i uses (w1, w3, w2) if mask[i] (vision, expert 1) else (u1, u3, u2) (text, expert 0)
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace fused {
+
+struct FfnGeometry {
+  int64_t M;  // rows: the product of x's leading dimensions
+  int64_t H;  // hidden size
+  int64_t I;  // intermediate size
+  bool dual;  // u1/u3/u2 and mask given
+};
+
+// Shapes, dtypes, devices and the single/dual-expert argument rules (no data read; also run by the Meta kernels).
+FfnGeometry check_ffn_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
+                             const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
+                             const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2);
+FfnGeometry check_ffn_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w1,
+                                      const at::Tensor& w3, const at::Tensor& w2,
+                                      const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
+                                      const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2);
+
+// The argument list shared by ffn and ffn_backward after their leading tensors.
+#define FUSED_FFN_ARGS                                                                                             \
+  const at::Tensor &w1, const at::Tensor &w3, const at::Tensor &w2, const std::optional<at::Tensor>&mask,         \
+      const std::optional<at::Tensor>&u1, const std::optional<at::Tensor>&u3, const std::optional<at::Tensor>&u2, \
+      bool allow_tf32
+
+// CPU: the ATen reference (each token only through its own expert; math in fp32, fp64 for fp64 inputs).
+at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS);
+// [grad_x, grad_w1, grad_w3, grad_w2] (+ [grad_u1, grad_u3, grad_u2] for the dual expert).
+std::vector<at::Tensor> ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS);
+// CUDA: routing + the routed GEMM kernels (csrc/ops/routed_gemm.h).
+at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS);
+std::vector<at::Tensor> ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS);
+
+}  // namespace fused

@@ -1,0 +1,83 @@
+// CPU implementation of ffn from ATen ops: the reference semantics of the op. Every token goes only through its own
+// expert (rows selected by the mask), math in fp32 (fp64 for fp64 inputs) without rounding intermediates, results
+// in x's dtype. allow_tf32 does not apply on the CPU. Not tuned for speed.
+#include <ATen/ATen.h>
+
+#include "ops/ffn.h"
+#include "ops/routed_gemm.h"
+
+namespace fused {
+namespace {
+
+at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+struct Expert {
+  at::Tensor rows;  // int64 token indices; undefined = every row (single expert)
+  at::Tensor w1, w3, w2;
+};
+
+// Expert 1 (vision, w*) then expert 0 (text, u*) for the dual expert; just (w*) for the single expert.
+std::vector<Expert> experts(const FfnGeometry& g, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
+                            const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
+                            const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2,
+                            at::ScalarType ct) {
+  if (!g.dual) return {{at::Tensor(), w1.to(ct), w3.to(ct), w2.to(ct)}};
+  const at::Tensor m = mask->reshape({g.M});
+  return {{m.nonzero().flatten(), w1.to(ct), w3.to(ct), w2.to(ct)},
+          {m.logical_not().nonzero().flatten(), u1->to(ct), u3->to(ct), u2->to(ct)}};
+}
+
+at::Tensor rows_of(const at::Tensor& t, const at::Tensor& rows) { return rows.defined() ? t.index_select(0, rows) : t; }
+int64_t count(const Expert& e, int64_t M) { return e.rows.defined() ? e.rows.numel() : M; }
+
+}  // namespace
+
+at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS) {
+  const FfnGeometry g = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2);
+  const auto ct = compute_type(x.scalar_type());
+  const at::Tensor xr = x.reshape({g.M, g.H}).to(ct);
+  at::Tensor out = at::zeros({g.M, g.H}, x.options().dtype(ct));
+  for (const Expert& e : experts(g, w1, w3, w2, mask, u1, u3, u2, ct)) {
+    if (count(e, g.M) == 0) continue;
+    const at::Tensor xe = rows_of(xr, e.rows);
+    const at::Tensor h = at::silu(xe.matmul(e.w1.t())) * xe.matmul(e.w3.t());
+    const at::Tensor y = h.matmul(e.w2.t());
+    if (e.rows.defined()) out.index_copy_(0, e.rows, y);
+    else out.copy_(y);
+  }
+  return out.to(x.scalar_type()).reshape(x.sizes());
+}
+
+std::vector<at::Tensor> ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS) {
+  const FfnGeometry g = check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2);
+  const auto dt = x.scalar_type();
+  const auto ct = compute_type(dt);
+  const auto copt = x.options().dtype(ct);
+  const at::Tensor xr = x.reshape({g.M, g.H}).to(ct);
+  const at::Tensor dy = grad_out.reshape({g.M, g.H}).to(ct);
+  at::Tensor gx = at::zeros({g.M, g.H}, copt);
+  std::vector<at::Tensor> out = {at::Tensor()};  // grad_x, then (grad_w1, grad_w3, grad_w2) per expert
+  for (const Expert& e : experts(g, w1, w3, w2, mask, u1, u3, u2, ct)) {
+    if (count(e, g.M) == 0) {
+      out.insert(out.end(), {at::zeros({g.I, g.H}, copt), at::zeros({g.I, g.H}, copt), at::zeros({g.H, g.I}, copt)});
+      continue;
+    }
+    const at::Tensor xe = rows_of(xr, e.rows), dye = rows_of(dy, e.rows);
+    const at::Tensor gate = xe.matmul(e.w1.t()), up = xe.matmul(e.w3.t());
+    const at::Tensor s = at::sigmoid(gate);
+    const at::Tensor act = gate * s;                         // silu(gate)
+    const at::Tensor h = act * up;
+    const at::Tensor dh = dye.matmul(e.w2);                  // [n, I]
+    const at::Tensor dup = dh * act;
+    const at::Tensor dgate = dh * up * (s + act * (1 - s));  // silu'(g) = s (1 + g (1 - s))
+    const at::Tensor dxe = dgate.matmul(e.w1) + dup.matmul(e.w3);
+    if (e.rows.defined()) gx.index_copy_(0, e.rows, dxe);
+    else gx.copy_(dxe);
+    out.insert(out.end(), {dgate.t().matmul(xe), dup.t().matmul(xe), dye.t().matmul(h)});
+  }
+  out[0] = gx.reshape(x.sizes());
+  for (at::Tensor& t : out) t = t.to(dt);
+  return out;
+}
+
+}  // namespace fused

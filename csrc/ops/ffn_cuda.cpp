@@ -1,0 +1,153 @@
+// CUDA implementation of ffn on the routed GEMM core (csrc/ops/routed_gemm.h).
+//
+// Forward: route (mask: the routing kernels; single expert: perm = arange, no kernel) ->
+//   h = routed_swiglu(x) into an expert-ordered [M_pad, I] buffer -> out = routed_linear(h, w2) scattered back.
+//   TMA (sm_90, H and I multiples of 16 bytes, a TMA swiglu for the dtype/precision): x is gathered first and both
+//   GEMMs use descriptors; else the pointer kernels (x gathered through perm inside the swiglu kernel).
+//
+// Backward: the forward saves only its inputs (x and the weights), no activations. Saving gate and up (or h) would
+// keep 2-3 [M, I] tensors per layer alive until the backward (I is typically ~2.7 H, so several times the [M, H]
+// input that is saved anyway); recomputing gate and up instead costs two more GEMM passes in the backward (8 instead
+// of 6; forward + backward 11 instead of 9 passes of 2*M*H*I flops, ~1.2x). Then:
+//   gate = x·w1ᵀ, up = x·w3ᵀ (recomputed), dh = dy·w2  (routed_linear)
+//   h, dgate, dup from gate, up, dh                     (ATen elementwise, fp32 math: no fused kernel yet)
+//   dw2 = dyᵀ·h, dw1 = dgateᵀ·x, dw3 = dupᵀ·x           (routed_grad_weight, per expert)
+//   dx = dgate·w1 + dup·w3                              (two routed_linear grad-input passes, summed)
+//   TMA path: x and dy are gathered once and every intermediate is expert-ordered ([M_pad, .]); pointer path:
+//   intermediates in token order ([M, .]), rows gathered / scattered through perm inside the kernels.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "ops/ffn.h"
+#include "ops/routed_gemm.h"
+
+namespace fused {
+namespace {
+constexpr const char* kOp = "ffn";
+
+void check_all_cuda(const at::Tensor& x, FUSED_FFN_ARGS) {
+  check_cuda(x, "x", kOp);
+  check_cuda(w1, "w1", kOp);
+  check_cuda(w3, "w3", kOp);
+  check_cuda(w2, "w2", kOp);
+  if (present(mask)) check_cuda(*mask, "mask", kOp);
+  if (present(u1)) check_cuda(*u1, "u1", kOp);
+  if (present(u3)) check_cuda(*u3, "u3", kOp);
+  if (present(u2)) check_cuda(*u2, "u2", kOp);
+  (void)allow_tf32;
+}
+
+// The three projections as the kernels see them: expert 0 = text (u*) for the dual expert, the only expert (w*)
+// for the single one; expert 1 = vision (w*).
+struct Projections {
+  routed::Experts gate, up, down;
+};
+Projections projections(const FfnGeometry& geo, FUSED_FFN_ARGS) {
+  (void)mask;
+  (void)allow_tf32;
+  if (!geo.dual) return {routed::Experts(w1, w1, true), routed::Experts(w3, w3, true), routed::Experts(w2, w2, true)};
+  return {routed::Experts(*u1, w1, false), routed::Experts(*u3, w3, false), routed::Experts(*u2, w2, false)};
+}
+
+// h = silu(gate) * up and its gradients from dh, in fp32, stored in the buffers' dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_grads(const at::Tensor& gate, const at::Tensor& up,
+                                                            const at::Tensor& dh) {
+  const auto dt = gate.scalar_type();
+  const at::Tensor g = gate.to(at::kFloat), u = up.to(at::kFloat), d = dh.to(at::kFloat);
+  const at::Tensor s = at::sigmoid(g);
+  const at::Tensor act = g * s;  // silu(gate)
+  at::Tensor h = (act * u).to(dt);
+  at::Tensor dup = (d * act).to(dt);
+  at::Tensor dgate = (d * u * (s + act * (1 - s))).to(dt);  // silu'(g) = s (1 + g (1 - s))
+  return {h, dgate, dup};
+}
+}  // namespace
+
+at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS) {
+  check_all_cuda(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
+  const FfnGeometry geo = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2);
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({geo.M, geo.H}, x.options());
+  if (geo.M == 0 || geo.H == 0) return out.view(x.sizes());
+  if (geo.I == 0) return out.zero_().view(x.sizes());
+
+  const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
+  const routed::Routing r = geo.dual ? routed::route(*mask) : routed::route_single(geo.M, x);
+  Projections p = projections(geo, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
+  const bool tma = g.tma_usable({geo.H, geo.I}, /*swiglu=*/true);
+  // Rows [end, M_pad) of h are never written nor read (their tiles are skipped): no initialization needed.
+  at::Tensor h = at::empty({r.M_pad, geo.I}, x.options());
+  routed::swiglu(g, r, routed::tokens(as_rows(x)), p.gate, p.up, h, tma);
+  routed::linear(g, r, routed::ordered(h), p.down, at::Tensor(), at::Tensor(), routed::tokens(out),
+                 /*w_transposed=*/false, tma);
+  return out.view(x.sizes());
+}
+
+std::vector<at::Tensor> ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS) {
+  check_all_cuda(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
+  check_cuda(grad_out, "grad_out", kOp);
+  const FfnGeometry geo = check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2);
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto opt = x.options();
+  const int64_t E = geo.dual ? 2 : 1;
+  // Per expert e (0 = text, 1 = vision; single: 0 only): grad of the gate, up and down weights.
+  std::vector<at::Tensor> dw1(E), dw3(E), dw2(E);
+  for (int64_t e = 0; e < E; ++e) {
+    dw1[e] = at::empty({geo.I, geo.H}, opt);
+    dw3[e] = at::empty({geo.I, geo.H}, opt);
+    dw2[e] = at::empty({geo.H, geo.I}, opt);
+  }
+  at::Tensor gx = at::empty(x.sizes(), opt);
+  auto result = [&]() -> std::vector<at::Tensor> {
+    if (!geo.dual) return {gx, dw1[0], dw3[0], dw2[0]};
+    return {gx, dw1[1], dw3[1], dw2[1], dw1[0], dw3[0], dw2[0]};  // (w1, w3, w2) = vision, (u1, u3, u2) = text
+  };
+  if (geo.M == 0 || geo.H == 0 || geo.I == 0) {  // every gradient is zero (or empty)
+    gx.zero_();
+    for (int64_t e = 0; e < E; ++e) {
+      dw1[e].zero_();
+      dw3[e].zero_();
+      dw2[e].zero_();
+    }
+    return result();
+  }
+
+  const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
+  const routed::Routing r = geo.dual ? routed::route(*mask) : routed::route_single(geo.M, x);
+  Projections p = projections(geo, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
+  const bool tma = g.tma_usable({geo.H, geo.I}, /*swiglu=*/false);
+  const at::Tensor xr = as_rows(x), dyr = as_rows(grad_out);
+  // TMA: expert-ordered operands (gathered once); pointer: token order, rows through perm inside the kernels.
+  const at::Tensor xa = tma ? routed::gather_rows(g, r, xr) : xr;
+  const at::Tensor dya = tma ? routed::gather_rows(g, r, dyr) : dyr;
+  const int64_t rows = tma ? r.M_pad : geo.M;
+  auto as = [&](const at::Tensor& t) { return routed::Rows{t, tma}; };
+  const at::Tensor none;
+
+  at::Tensor h, dgate, dup;
+  {
+    // Rows [end, M_pad) of these expert-ordered buffers are never written; the elementwise pass computes garbage
+    // there that no kernel reads (tiles past `end` are skipped, grad-weight reads only the experts' rows).
+    at::Tensor gate = at::empty({rows, geo.I}, opt), up = at::empty({rows, geo.I}, opt);
+    at::Tensor dh = at::empty({rows, geo.I}, opt);
+    routed::linear(g, r, as(xa), p.gate, none, none, as(gate), /*w_transposed=*/false, tma);
+    routed::linear(g, r, as(xa), p.up, none, none, as(up), /*w_transposed=*/false, tma);
+    routed::linear(g, r, as(dya), p.down, none, none, as(dh), /*w_transposed=*/true, tma);  // dh = dy·w2_e
+    std::tie(h, dgate, dup) = swiglu_grads(gate, up, dh);
+  }
+  const at::Tensor& e1_w2 = geo.dual ? dw2[1] : none;
+  const at::Tensor& e1_w1 = geo.dual ? dw1[1] : none;
+  const at::Tensor& e1_w3 = geo.dual ? dw3[1] : none;
+  routed::grad_weight(g, r, as(dya), as(h), dw2[0], e1_w2, none, none);  // dw2_e = dy_eᵀ·h_e  [H, I]
+  h.reset();
+  routed::grad_weight(g, r, as(dgate), as(xa), dw1[0], e1_w1, none, none);  // dw1_e = dgate_eᵀ·x_e  [I, H]
+  routed::grad_weight(g, r, as(dup), as(xa), dw3[0], e1_w3, none, none);    // dw3_e = dup_eᵀ·x_e  [I, H]
+  at::Tensor gx2 = gx.view({geo.M, geo.H});
+  routed::linear(g, r, as(dgate), p.gate, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma);
+  at::Tensor gx_up = at::empty({geo.M, geo.H}, opt);
+  routed::linear(g, r, as(dup), p.up, none, none, routed::tokens(gx_up), /*w_transposed=*/true, tma);
+  gx2.add_(gx_up);
+  return result();
+}
+
+}  // namespace fused

@@ -1,0 +1,60 @@
+// Autograd of linear_dual, in C++ so gradients flow from Python, TorchScript and libtorch alike. The backward calls
+// the public fused::linear_dual_backward op through the dispatcher (so it runs on whichever backend holds the
+// tensors). linear_dual_backward itself is not differentiable (no double backward): its Autograd kernel raises if a
+// gradient is asked through it.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "ops/linear_dual.h"
+#include "ops/routed_gemm.h"
+
+namespace {
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using LinearDualFn = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                            const std::optional<Tensor>&, bool);
+using LinearDualBackwardFn = fused::LinearDualGrads(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                    const Tensor&, bool);
+
+struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& mask, const Tensor& weight_v,
+                        const Tensor& weight_t, const std::optional<Tensor>& bias_v,
+                        const std::optional<Tensor>& bias_t, bool allow_tf32) {
+    ctx->save_for_backward({x, mask, weight_v, weight_t});
+    ctx->saved_data["allow_tf32"] = allow_tf32;
+    ctx->saved_data["has_bias_v"] = fused::present(bias_v);
+    ctx->saved_data["has_bias_t"] = fused::present(bias_t);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::linear_dual", "").typed<LinearDualFn>();
+    return op.call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fused::linear_dual_backward", "")
+                         .typed<LinearDualBackwardFn>();
+    const auto s = ctx->get_saved_variables();
+    auto [gx, gw_v, gw_t, gb_v, gb_t] = op.call(grads[0], s[0], s[1], s[2], s[3],
+                                                ctx->saved_data["allow_tf32"].toBool());
+    return {ctx->needs_input_grad(0) ? gx : Tensor(),
+            Tensor(),  // mask
+            ctx->needs_input_grad(2) ? gw_v : Tensor(),
+            ctx->needs_input_grad(3) ? gw_t : Tensor(),
+            ctx->saved_data["has_bias_v"].toBool() ? gb_v : Tensor(),
+            ctx->saved_data["has_bias_t"].toBool() ? gb_t : Tensor(),
+            Tensor()};  // allow_tf32
+  }
+};
+
+Tensor linear_dual(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Tensor& weight_t,
+                   const std::optional<Tensor>& bias_v, const std::optional<Tensor>& bias_t, bool allow_tf32) {
+  return LinearDualFunction::apply(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32);
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused, Autograd, m) {
+  m.impl("linear_dual", linear_dual);
+  m.impl("linear_dual_backward", torch::autograd::autogradNotImplementedFallback());
+}

@@ -1,0 +1,67 @@
+// CPU implementation of linear_dual from ATen ops: the reference semantics of the op. Every token goes only
+// through its own expert (rows selected by the mask), math in fp32 (fp64 for fp64 inputs), results in x's dtype.
+// allow_tf32 does not apply on the CPU. Not tuned for speed.
+#include <ATen/ATen.h>
+
+#include "ops/linear_dual.h"
+#include "ops/routed_gemm.h"
+
+namespace fused {
+namespace {
+
+at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+struct Expert {
+  at::Tensor rows;  // int64 indices of the tokens routed to this expert
+  const at::Tensor& weight;
+};
+
+}  // namespace
+
+at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
+                           const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
+                           const std::optional<at::Tensor>& bias_t, bool /*allow_tf32*/) {
+  const LinearDualGeometry g = check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t);
+  const auto ct = compute_type(x.scalar_type());
+  const at::Tensor xr = x.reshape({g.M, g.K}).to(ct);
+  const at::Tensor m = mask.reshape({g.M});
+  at::Tensor out = at::zeros({g.M, g.N}, x.options().dtype(ct));
+  const std::optional<at::Tensor>* biases[2] = {&bias_v, &bias_t};
+  const Expert experts[2] = {{m.nonzero().flatten(), weight_v}, {m.logical_not().nonzero().flatten(), weight_t}};
+  for (int e = 0; e < 2; ++e) {
+    if (experts[e].rows.numel() == 0) continue;
+    at::Tensor y = xr.index_select(0, experts[e].rows).matmul(experts[e].weight.to(ct).t());
+    if (present(*biases[e])) y.add_((*biases[e])->to(ct));
+    out.index_copy_(0, experts[e].rows, y);
+  }
+  return out.to(x.scalar_type()).reshape(with_last(x, g.N));
+}
+
+LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
+                                         const at::Tensor& weight_v, const at::Tensor& weight_t, bool /*allow_tf32*/) {
+  const LinearDualGeometry g = check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
+  const auto dt = x.scalar_type();
+  const auto ct = compute_type(dt);
+  const auto copt = x.options().dtype(ct);
+  const at::Tensor xr = x.reshape({g.M, g.K}).to(ct);
+  const at::Tensor dy = grad_out.reshape({g.M, g.N}).to(ct);
+  const at::Tensor m = mask.reshape({g.M});
+  at::Tensor gx = at::zeros({g.M, g.K}, copt);
+  at::Tensor gw[2], gb[2];
+  const Expert experts[2] = {{m.nonzero().flatten(), weight_v}, {m.logical_not().nonzero().flatten(), weight_t}};
+  for (int e = 0; e < 2; ++e) {
+    const at::Tensor& rows = experts[e].rows;
+    if (rows.numel() == 0) {
+      gw[e] = at::zeros({g.N, g.K}, copt);
+      gb[e] = at::zeros({g.N}, copt);
+      continue;
+    }
+    const at::Tensor dye = dy.index_select(0, rows), xe = xr.index_select(0, rows);
+    gx.index_copy_(0, rows, dye.matmul(experts[e].weight.to(ct)));
+    gw[e] = dye.t().matmul(xe);
+    gb[e] = dye.sum(0);
+  }
+  return {gx.to(dt).reshape(x.sizes()), gw[0].to(dt), gw[1].to(dt), gb[0].to(dt), gb[1].to(dt)};
+}
+
+}  // namespace fused

@@ -1,0 +1,28 @@
+// Meta (shape) kernels of the linear_dual ops: torch.compile, torch.export and fake tensors trace through them.
+#include <torch/library.h>
+
+#include "ops/linear_dual.h"
+#include "ops/routed_gemm.h"
+
+namespace {
+using at::Tensor;
+
+Tensor fwd(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Tensor& weight_t,
+           const std::optional<Tensor>& bias_v, const std::optional<Tensor>& bias_t, bool /*allow_tf32*/) {
+  const auto g = fused::check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t);
+  return at::empty(fused::with_last(x, g.N), x.options());
+}
+
+fused::LinearDualGrads bwd(const Tensor& grad_out, const Tensor& x, const Tensor& mask, const Tensor& weight_v,
+                           const Tensor& weight_t, bool /*allow_tf32*/) {
+  const auto g = fused::check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
+  const auto opt = x.options();
+  return {at::empty(x.sizes(), opt), at::empty({g.N, g.K}, opt), at::empty({g.N, g.K}, opt), at::empty({g.N}, opt),
+          at::empty({g.N}, opt)};
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused, Meta, m) {
+  m.impl("linear_dual", fwd);
+  m.impl("linear_dual_backward", bwd);
+}

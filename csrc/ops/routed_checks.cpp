@@ -1,0 +1,50 @@
+// Input checks shared by the routed GEMM ops (linear_dual, ffn) on every backend.
+#include <ATen/ATen.h>
+
+#include "ops/routed_gemm.h"
+
+namespace fused {
+
+void check_routed_dtype(const at::Tensor& t, const char* op, const char* what) {
+  const auto dt = t.scalar_type();
+  const bool cpu_like = t.device().is_cpu() || t.device().is_meta();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || (cpu_like && dt == at::kDouble), op,
+              ": ", what, " must be float32, float16 or bfloat16", cpu_like ? " (or float64 on the CPU)" : "",
+              ", got ", dt);
+}
+
+void check_like(const at::Tensor& t, const char* what, const at::Tensor& ref, const char* ref_what, const char* op) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", what, " is on ", t.device(), " but ", ref_what, " is on ",
+              ref.device());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", what, " has dtype ", t.scalar_type(), " but ", ref_what,
+              " has ", ref.scalar_type(), " (all floating-point arguments must share one dtype)");
+}
+
+void check_mask(const at::Tensor& mask, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool, op, ": mask must be a bool tensor, got ", mask.scalar_type());
+  TORCH_CHECK(mask.device() == x.device(), op, ": mask is on ", mask.device(), " but x is on ", x.device());
+  TORCH_CHECK(mask.sizes() == x.sizes().slice(0, x.dim() - 1), op, ": mask must have x's leading shape ",
+              x.sizes().slice(0, x.dim() - 1), " (x is ", x.sizes(), "), got ", mask.sizes());
+}
+
+void check_cuda(const at::Tensor& t, const char* what, const char* op) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", what, " must be a CUDA tensor, got one on ", t.device());
+}
+
+std::vector<int64_t> with_last(const at::Tensor& x, int64_t last) {
+  std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
+  s.back() = last;
+  return s;
+}
+
+at::Tensor as_rows(const at::Tensor& x) {
+  const int64_t C = x.size(-1);
+  int64_t M = 1;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) M *= x.size(i);
+  at::Tensor r = x.reshape({M, C});
+  // The kernels need a unit stride along the row; any row stride works (a size-1 dimension's stride is unused).
+  if (C > 1 && r.stride(1) != 1) r = r.contiguous();
+  return r;
+}
+
+}  // namespace fused

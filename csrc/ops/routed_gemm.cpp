@@ -1,0 +1,347 @@
+// CUDA core of the routed GEMM ops: routing and launchers of the AOT-compiled kernels (kernels/GEMM.md).
+//
+// Variant keys are built here exactly as aot/manifest.py's Variant.key_str ("name=value" pairs sorted by name). The
+// tile sizes are part of the keys, so the grids computed below cannot silently disagree with the compiled kernels:
+// a drift makes the launch fail with "no compiled variant ... for <key>".
+#include "ops/routed_gemm.h"
+
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+
+#include "ops/torch_launch.h"
+#include "runtime/launcher.h"
+
+namespace fused {
+namespace routed {
+namespace {
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+std::string make_key(std::initializer_list<std::pair<const char*, std::string>> kv) {
+  std::map<std::string, std::string> sorted;
+  for (const auto& p : kv) sorted.emplace(p.first, p.second);
+  std::string key;
+  for (const auto& [k, v] : sorted) key += (key.empty() ? "" : ",") + k + "=" + v;
+  return key;
+}
+
+std::string flag(bool b) { return b ? "1" : "0"; }
+
+Grid grid(int64_t x, int64_t y = 1) {
+  TORCH_CHECK(x >= 0 && x <= std::numeric_limits<int32_t>::max() && y >= 0 && y <= 65535,
+              "routed GEMM: problem too large for one launch (grid ", x, " x ", y, ")");
+  return Grid{static_cast<uint32_t>(x), static_cast<uint32_t>(y), 1};
+}
+
+// ---- tiles: must match GEMM_TILES in aot/manifest.py (they are part of the variant keys) ----
+struct Tile {
+  int64_t a, b, c;  // BM x BN x BK (grad-weight: BN x BK x BR)
+  std::string str() const { return std::to_string(a) + "x" + std::to_string(b) + "x" + std::to_string(c); }
+};
+enum class Family { kHalf, kTf32, kIeee };
+
+Family family(const Gemm& g) {
+  if (g.dt != "fp32") return Family::kHalf;
+  return g.prec == "tf32" ? Family::kTf32 : Family::kIeee;
+}
+Tile linear_tile(const Gemm& g) {
+  switch (family(g)) {
+    case Family::kHalf: return {128, 128, 64};
+    case Family::kTf32: return {128, 128, 32};
+    default: return {64, 64, 32};
+  }
+}
+Tile swiglu_tile(const Gemm& g) {
+  switch (family(g)) {
+    case Family::kHalf: return {128, 64, 64};
+    case Family::kTf32: return {128, 64, 32};
+    default: return {64, 64, 32};
+  }
+}
+Tile grad_weight_tile(const Gemm& g) {
+  switch (family(g)) {
+    case Family::kHalf: return {128, 128, 64};
+    case Family::kTf32: return {128, 128, 64};
+    default: return {64, 64, 32};
+  }
+}
+Tile linear_tma_tile(const Gemm& g) {
+  switch (family(g)) {
+    case Family::kHalf: return {128, 256, 64};
+    case Family::kTf32: return {128, 128, 32};
+    default: return {64, 64, 32};
+  }
+}
+std::optional<Tile> swiglu_tma_tile(const Gemm& g) {
+  switch (family(g)) {
+    case Family::kHalf: return Tile{128, 128, 64};
+    case Family::kTf32: return Tile{128, 64, 32};
+    default: return std::nullopt;  // no fp32-ieee TMA swiglu
+  }
+}
+
+std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, bool bias) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"scatter", flag(scatter)},
+                   {"wt", flag(wt)}, {"bias", flag(bias)}, {"tile", linear_tile(g).str()}});
+}
+std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, bool bias) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", flag(scatter)}, {"wt", flag(wt)},
+                   {"bias", flag(bias)}, {"tile", linear_tma_tile(g).str()}});
+}
+std::string swiglu_key(const Gemm& g) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", "1"}, {"scatter", "0"},
+                   {"tile", swiglu_tile(g).str()}});
+}
+std::string swiglu_tma_key(const Gemm& g) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", "0"}, {"tile", swiglu_tma_tile(g)->str()}});
+}
+std::string grad_weight_key(const Gemm& g, bool gather, bool dbias) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"dbias", flag(dbias)},
+                   {"tile", grad_weight_tile(g).str()}});
+}
+
+// Internal invariants of a row operand (the ops guarantee them; a failure is a bug here, not a user error).
+void check_rows(const Routing& r, const Rows& x, int64_t cols, const char* what) {
+  TORCH_INTERNAL_ASSERT(x.t.dim() == 2 && x.t.size(0) == (x.expert_ordered ? r.M_pad : r.M) && x.t.size(1) == cols &&
+                            (cols <= 1 || x.t.stride(1) == 1),
+                        "routed GEMM: bad ", what, " operand ", x.t.sizes(), " / ", x.t.strides(), " (M = ", r.M,
+                        ", M_pad = ", r.M_pad, ", expected ", cols, " columns)");
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int64_t row_stride(const at::Tensor& w) { return w.size(0) > 1 ? w.stride(0) : w.size(1); }
+
+at::Tensor unit_inner(const at::Tensor& w) { return (w.size(1) > 1 && w.stride(1) != 1) ? w.contiguous() : w; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------- routing
+Routing route(const at::Tensor& mask) {
+  Routing r;
+  at::Tensor m = mask.reshape({-1}).contiguous();
+  TORCH_INTERNAL_ASSERT(m.scalar_type() == at::kBool && m.is_cuda());
+  r.M = m.numel();
+  r.M_pad = (cdiv(r.M, kAlign) + 1) * kAlign;  // kernels/routing.py: padded_rows
+  const auto iopt = m.options().dtype(at::kInt);
+  r.perm = at::empty({r.M_pad}, iopt);
+  r.seg = at::empty({5}, iopt);
+  const int64_t nb = std::max<int64_t>(1, cdiv(r.M, kChunk));
+  at::Tensor counts = at::empty({nb * 2}, iopt);  // freed stream-ordered: reused only by later work on this stream
+  const void* mp = r.M > 0 ? m.data_ptr() : counts.data_ptr();  // M = 0: loads are masked, any valid pointer
+  KernelArgs c;
+  c.ptr(mp).ptr(counts.data_ptr()).i32(r.M);
+  launch_on_current_stream("routing_count_kernel", make_key({{"chunk", std::to_string(kChunk)}}), c, grid(nb),
+                           counts);
+  KernelArgs s;
+  s.ptr(mp).ptr(counts.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad).i32(nb);
+  launch_on_current_stream("routing_scatter_kernel",
+                           make_key({{"chunk", std::to_string(kChunk)}, {"align", std::to_string(kAlign)}}), s,
+                           grid(nb), counts);
+  return r;
+}
+
+Routing route_single(int64_t M, const at::Tensor& like) {
+  Routing r;
+  r.single = true;
+  r.M = M;
+  const int64_t end = cdiv(M, kAlign) * kAlign;  // start_1 = end = roundup(count_0, ALIGN); count_1 = 0
+  r.M_pad = std::max(end, kAlign);
+  const auto iopt = like.options().dtype(at::kInt);
+  // Device-side fills with host scalars as kernel arguments: no host sync, capturable in a CUDA graph.
+  r.perm = at::arange(r.M_pad, iopt);
+  if (r.M_pad > M) r.perm.narrow(0, M, r.M_pad - M).fill_(-1);
+  r.seg = at::zeros({5}, iopt);
+  r.seg.narrow(0, 1, 2).fill_(end);
+  r.seg.narrow(0, 3, 1).fill_(M);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------------------- context
+Gemm Gemm::make(const at::Tensor& like, bool allow_tf32) {
+  Gemm g;
+  g.dtype = like.scalar_type();
+  switch (g.dtype) {
+    case at::kFloat: g.dt = "fp32"; break;
+    case at::kHalf: g.dt = "fp16"; break;
+    case at::kBFloat16: g.dt = "bf16"; break;
+    default: TORCH_CHECK(false, "routed GEMM: unsupported dtype ", g.dtype, " on CUDA (float32, float16, bfloat16)");
+  }
+  g.prec = (g.dtype == at::kFloat && !allow_tf32) ? "ieee" : "tf32";
+  g.device = like.get_device();
+  g.cc = device_capability(g.device);
+  g.sms = std::max(1, device_sm_count(g.device));
+  return g;
+}
+
+bool Gemm::tma_usable(std::initializer_list<int64_t> dims, bool swiglu) const {
+  // sm_90 exactly: the sm_90 cubins use sm_90a-only instructions (wgmma), and their PTX does not run on sm_100+.
+  if (cc != 90) return false;
+  if (const char* env = std::getenv("FUSED_GEMM_TMA"); env && std::strcmp(env, "0") == 0) return false;
+  if (!std::strstr(built_archs(), "sm_90")) return false;
+  const int64_t es = c10::elementSize(dtype);
+  for (int64_t d : dims)
+    if (d <= 0 || (d * es) % 16 != 0) return false;  // TMA: non-innermost strides are multiples of 16 bytes
+  if (!has_variant("routed_linear_tma_kernel", linear_tma_key(*this, true, false, false))) return false;
+  if (swiglu && (!swiglu_tma_tile(*this) || !has_variant("routed_swiglu_tma_kernel", swiglu_tma_key(*this))))
+    return false;
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------------------- weights
+Experts::Experts(const at::Tensor& w0, const at::Tensor& w1, bool single) : single_(single) {
+  w0_ = unit_inner(w0);
+  w1_ = single ? w0_ : unit_inner(w1);
+  TORCH_INTERNAL_ASSERT(w0_.dim() == 2 && w1_.sizes() == w0_.sizes());
+  if (row_stride(w0_) != row_stride(w1_)) make_contiguous();
+  ld_ = row_stride(w0_);
+}
+
+void Experts::make_contiguous() {
+  w0_ = w0_.contiguous();
+  w1_ = single_ ? w0_ : w1_.contiguous();
+  ld_ = row_stride(w0_);
+  stack_ = at::Tensor();
+  st_.reset();
+}
+
+const Experts::Stacked& Experts::stacked() {
+  if (st_) return *st_;
+  const int64_t es = w0_.element_size(), R = rows(), C = cols();
+  const bool rows_ok = ld_ >= C && (ld_ * es) % 16 == 0 && aligned16(w0_.data_ptr());
+  if (single_) {
+    if (rows_ok) {
+      st_ = Stacked{w0_.data_ptr(), 1, R * ld_, ld_};
+    } else {
+      stack_ = w0_.clone(at::MemoryFormat::Contiguous);  // new allocation: 16-byte aligned, row stride C
+      st_ = Stacked{stack_.data_ptr(), 1, R * C, C};
+    }
+    return *st_;
+  }
+  if (rows_ok && aligned16(w1_.data_ptr())) {
+    const auto diff = reinterpret_cast<intptr_t>(w1_.data_ptr()) - reinterpret_cast<intptr_t>(w0_.data_ptr());
+    if (diff > 0 && diff % 16 == 0 && diff / es >= R * ld_) {  // zero-copy: one rank-3 view of both experts
+      st_ = Stacked{w0_.data_ptr(), 2, diff / es, ld_};
+      return *st_;
+    }
+  }
+  // Copy: [2, R, C] contiguous (2*R*C elements written and read once per call).
+  stack_ = at::stack({w0_, w1_});
+  st_ = Stacked{stack_.data_ptr(), 2, R * C, C};
+  return *st_;
+}
+
+// ---------------------------------------------------------------------------------------------------------- kernels
+at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src) {
+  check_rows(r, tokens(src), src.size(1), "gather source");
+  const int64_t C = src.size(1);
+  at::Tensor dst = at::empty({r.M_pad, C}, src.options());
+  KernelArgs a;
+  a.ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr()).i32(r.M_pad).i32(C).i32(src.stride(0))
+      .i32(dst.stride(0));
+  launch_on_current_stream("gather_rows_kernel", make_key({{"dtype", g.dt}}), a,
+                           grid(cdiv(r.M_pad, 32), cdiv(C, 128)), dst);  // BLOCK_R = 32, BLOCK_C = 128
+  return dst;
+}
+
+void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0,
+            const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma) {
+  const int64_t n = w_transposed ? w.cols() : w.rows();  // output columns
+  const int64_t k = w_transposed ? w.rows() : w.cols();  // reduction length
+  check_rows(r, a, k, "A");
+  check_rows(r, out, n, "output");
+  const bool has_bias = bias0.defined();
+  TORCH_INTERNAL_ASSERT(has_bias == bias1.defined() && !(has_bias && w_transposed));
+  if (has_bias)
+    TORCH_INTERNAL_ASSERT(bias0.numel() == n && bias1.numel() == n && (n <= 1 || (bias0.stride(0) == 1 &&
+                                                                                   bias1.stride(0) == 1)));
+  // Unused pointer arguments get the (16-byte aligned) perm so that they never block the aligned variant.
+  const void* b0 = has_bias ? bias0.data_ptr() : r.perm.data_ptr();
+  const void* b1 = has_bias ? bias1.data_ptr() : r.perm.data_ptr();
+  KernelArgs args;
+  if (tma) {
+    const at::Tensor ap = a.expert_ordered ? a.t : gather_rows(g, r, a.t);
+    const Tile t = linear_tma_tile(g);
+    const Experts::Stacked& st = w.stacked();
+    args.tensor(ap.data_ptr(), {r.M_pad, k}, {ap.stride(0), 1})
+        .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
+        .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+        .i32(r.M_pad).i32(n).i32(k).i32(out.t.stride(0));
+    const int64_t tiles = (r.M_pad / t.a) * cdiv(n, t.b);  // persistent: any grid >= 1 covers every tile
+    launch_on_current_stream("routed_linear_tma_kernel", linear_tma_key(g, !out.expert_ordered, w_transposed, has_bias),
+                             args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
+  } else {
+    const Tile t = linear_tile(g);
+    args.ptr(a.t.data_ptr()).ptr(w.w0().data_ptr()).ptr(w.w1().data_ptr()).ptr(b0).ptr(b1).ptr(out.t.data_ptr())
+        .ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+        .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(w.ld()).i32(out.t.stride(0));
+    launch_on_current_stream("routed_linear_kernel",
+                             linear_key(g, !a.expert_ordered, !out.expert_ordered, w_transposed, has_bias), args,
+                             grid((r.M_pad / t.a) * cdiv(n, t.b)), out.t);
+  }
+}
+
+void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma) {
+  const int64_t I = w1.rows(), H = w1.cols();
+  TORCH_INTERNAL_ASSERT(w3.rows() == I && w3.cols() == H && w1.single() == w3.single());
+  check_rows(r, a, H, "x");
+  check_rows(r, ordered(h), I, "h");
+  KernelArgs args;
+  if (tma) {
+    const at::Tensor ap = a.expert_ordered ? a.t : gather_rows(g, r, a.t);
+    const Tile t = *swiglu_tma_tile(g);
+    const Experts::Stacked& s1 = w1.stacked();
+    const Experts::Stacked& s3 = w3.stacked();
+    args.tensor(ap.data_ptr(), {r.M_pad, H}, {ap.stride(0), 1})
+        .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
+        .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
+        .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+        .i32(r.M_pad).i32(I).i32(H).i32(h.stride(0));
+    const int64_t tiles = (r.M_pad / t.a) * cdiv(I, t.b);
+    launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g), args,
+                             grid(std::min<int64_t>(g.sms, tiles)), h);
+  } else {
+    TORCH_INTERNAL_ASSERT(!a.expert_ordered, "routed GEMM: the pointer swiglu is compiled for token-order x only");
+    if (w1.ld() != w3.ld()) {  // the kernel takes one row stride for all four weights
+      w1.make_contiguous();
+      w3.make_contiguous();
+    }
+    const Tile t = swiglu_tile(g);
+    args.ptr(a.t.data_ptr()).ptr(w1.w0().data_ptr()).ptr(w1.w1().data_ptr()).ptr(w3.w0().data_ptr())
+        .ptr(w3.w1().data_ptr()).ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+        .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(w1.ld()).i32(h.stride(0));
+    launch_on_current_stream("routed_swiglu_kernel", swiglu_key(g), args, grid((r.M_pad / t.a) * cdiv(I, t.b)), h);
+  }
+}
+
+void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
+                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1) {
+  TORCH_INTERNAL_ASSERT(dy.expert_ordered == x.expert_ordered);
+  const int64_t N = dw0.size(0), K = dw0.size(1);
+  TORCH_INTERNAL_ASSERT(N > 0 && K > 0, "routed GEMM: grad_weight needs N, K > 0 (bias gradients come from K tiles)");
+  check_rows(r, dy, N, "dy");
+  check_rows(r, x, K, "x");
+  const at::Tensor& w1 = r.single ? dw0 : dw1;
+  TORCH_INTERNAL_ASSERT(dw0.is_contiguous() && w1.sizes() == dw0.sizes() && w1.strides() == dw0.strides());
+  const bool dbias = db0.defined();
+  const at::Tensor& b1 = r.single ? db0 : db1;
+  if (dbias) TORCH_INTERNAL_ASSERT(db0.numel() == N && b1.numel() == N && db0.is_contiguous() && b1.is_contiguous());
+  const Tile t = grad_weight_tile(g);
+  KernelArgs args;
+  args.ptr(dy.t.data_ptr()).ptr(x.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+      .ptr(dw0.data_ptr()).ptr(w1.data_ptr())
+      .ptr(dbias ? db0.data_ptr() : r.perm.data_ptr()).ptr(dbias ? b1.data_ptr() : r.perm.data_ptr())
+      .i32(N).i32(K).i32(dy.t.stride(0)).i32(x.t.stride(0)).i32(dw0.stride(0));
+  // Programs [0, per_e) are expert 0, [per_e, 2 per_e) expert 1: a single-expert routing launches only the first half.
+  const int64_t per_e = cdiv(N, t.a) * cdiv(K, t.b);
+  launch_on_current_stream("routed_grad_weight_kernel", grad_weight_key(g, !dy.expert_ordered, dbias), args,
+                           grid((r.single ? 1 : 2) * per_e), dw0);
+}
+
+}  // namespace routed
+}  // namespace fused

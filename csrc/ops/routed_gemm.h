@@ -1,0 +1,132 @@
+// The shared core of the routed GEMM ops (linear_dual, ffn; docs/design.md "Routed GEMM ops"):
+//  * input checks shared by both ops and every backend (CPU, CUDA, Meta);
+//  * on CUDA: routing (perm / seg on the device, no host sync), the experts' weights as the kernels see them, and
+//    thin launchers of the AOT-compiled kernels of kernels/routing.py and kernels/gemm.py. Argument lists, grids and
+//    the meaning of perm / seg / "expert-ordered padded buffer": kernels/GEMM.md. Variants: aot/manifest.py.
+//
+// Expert 0 = text (mask false), expert 1 = vision (mask true). A single-expert op (ffn without mask) has only
+// expert 0.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fused {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Checks shared by the routed ops. `op` prefixes every message ("linear_dual: ..."), `what` names the argument.
+inline bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// float32 / float16 / bfloat16, and float64 on the CPU (and Meta).
+void check_routed_dtype(const at::Tensor& t, const char* op, const char* what);
+// Same dtype and device as `ref` (named `ref_what`).
+void check_like(const at::Tensor& t, const char* what, const at::Tensor& ref, const char* ref_what, const char* op);
+// mask: bool with exactly x's leading shape (x.shape[:-1]).
+void check_mask(const at::Tensor& mask, const at::Tensor& x, const char* op);
+// A CUDA tensor (the CUDA kernels of the routed ops call this for every tensor argument).
+void check_cuda(const at::Tensor& t, const char* what, const char* op);
+// x.shape[:-1] + [last]
+std::vector<int64_t> with_last(const at::Tensor& x, int64_t last);
+// The rows of x [..., C] as an [M, C] matrix whose last dimension has unit stride (a view when possible).
+at::Tensor as_rows(const at::Tensor& x);
+
+namespace routed {
+
+constexpr int64_t kAlign = 128;   // routing ALIGN: every BLOCK_M divides it
+constexpr int64_t kChunk = 1024;  // routing CHUNK
+
+// perm int32 [M_pad] and seg int32 [5] = [0, start_1, end, count_0, count_1] on the device (kernels/GEMM.md).
+struct Routing {
+  at::Tensor perm, seg;
+  int64_t M = 0, M_pad = 0;
+  bool single = false;  // one expert: every row is expert 0, seg[4] == 0
+};
+
+// Two experts from a bool mask [M] (any shape; flattened) on the device: the two routing kernels, no host sync.
+Routing route(const at::Tensor& mask);
+// One expert: perm = [0, 1, .., M-1, -1, ..] and seg = [0, M_pad, M_pad, M, 0] built with ATen ops on the device
+// (no routing kernel, no host sync), M_pad = roundup(M, kAlign).
+Routing route_single(int64_t M, const at::Tensor& like);
+
+// Per-op launch context: dtype, precision and device (compute capability, SM count).
+struct Gemm {
+  at::ScalarType dtype;
+  std::string dt;    // "bf16" | "fp16" | "fp32"
+  std::string prec;  // "ieee" (fp32 without allow_tf32) | "tf32"
+  int device = 0, cc = 0, sms = 1;
+  static Gemm make(const at::Tensor& like, bool allow_tf32);
+  // Whether the Hopper TMA kernels serve an op whose operands have the inner (contiguous) sizes `dims`: sm_90,
+  // a build holding sm_90 images, TMA variants for this dtype/precision (and the TMA swiglu when `swiglu`), every
+  // dim > 0 with dim * element size a multiple of 16 bytes, and FUSED_GEMM_TMA not set to 0.
+  bool tma_usable(std::initializer_list<int64_t> dims, bool swiglu) const;
+};
+
+// The two experts' weights of one projection, [R, C] each (nn.Linear layout: R = out features, C = in features).
+// The pointer kernels take two base pointers and one shared row stride; the TMA kernels one rank-3 descriptor
+// over [E, R, C].
+class Experts {
+ public:
+  // w0 = expert 0 (text), w1 = expert 1 (vision). single: only w0 is used (w1 may be w0).
+  Experts(const at::Tensor& w0, const at::Tensor& w1, bool single);
+  const at::Tensor& w0() const { return w0_; }
+  const at::Tensor& w1() const { return single_ ? w0_ : w1_; }
+  int64_t rows() const { return w0_.size(0); }
+  int64_t cols() const { return w0_.size(1); }
+  int64_t ld() const { return ld_; }  // row stride (elements) shared by w0 and w1
+  bool single() const { return single_; }
+  // Makes both experts contiguous (row stride = cols), e.g. to share one stride with another projection.
+  void make_contiguous();
+
+  // The rank-3 TMA view: shape [E, R, C] (E = 1 single, 2 dual), strides [stride_e, ld, 1], elements.
+  // Zero-copy when w1 - w0 is a positive multiple of 16 bytes that does not overlap expert 0's rows (weights that
+  // are views of one [2, R, C] tensor, text at index 0) and the row stride is 16-byte aligned; otherwise the experts
+  // are stacked into a new [2, R, C] tensor: a copy of both weights per call (2*R*C elements), kept for the rest of
+  // the op (e.g. reused by the grad-input and the forward GEMMs of one call).
+  struct Stacked {
+    const void* base;
+    int64_t experts, stride_e, ld;
+  };
+  const Stacked& stacked();
+  bool stacked_by_copy() const { return stack_.defined(); }
+
+ private:
+  at::Tensor w0_, w1_, stack_;
+  bool single_;
+  int64_t ld_;
+  std::optional<Stacked> st_;
+};
+
+// A row operand or result of a routed GEMM: in token order ([M, C], rows through perm) or an expert-ordered
+// padded buffer ([M_pad, C], row r belongs to perm[r]). The last dimension must have unit stride.
+struct Rows {
+  at::Tensor t;
+  bool expert_ordered;
+};
+inline Rows tokens(const at::Tensor& t) { return {t, false}; }
+inline Rows ordered(const at::Tensor& t) { return {t, true}; }
+
+// dst[r] = src[perm[r]] (zero rows where perm[r] < 0): token-order src [M, C] -> new expert-ordered [M_pad, C].
+at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src);
+
+// out = a · W_eᵀ (+ bias_e)  (w_transposed = false; W_e [N, K], a [., K], out [., N]), or
+// out = a · W_e           (w_transposed = true, grad-input; W_e [K_red, N], a [., K_red], out [., N]).
+// tma: the sm_90 kernel (a in token order is gathered first into an expert-ordered buffer); else the pointer kernel
+// (a gathered through perm when in token order). bias0/bias1: both defined or both undefined, [N], dtype of a.
+// Rows [end, M_pad) of an expert-ordered out are not written; its other padding rows get bias_e (0 without bias).
+void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0,
+            const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma);
+
+// h = silu(a · W1_eᵀ) * (a · W3_eᵀ) into an expert-ordered h [M_pad, I]; a [., H]; W1_e, W3_e [I, H].
+// Pointer kernel: a in token order. TMA: a in token order is gathered first.
+void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma);
+
+// dW_e = dy_eᵀ · x_e ([N, K]) and, when db0 is defined, db_e = Σ dy_e ([N]) for e = 0 (dw0, db0) and e = 1 (dw1,
+// db1; not touched for a single-expert routing). dy [., N] and x [., K] both in token order or both expert-ordered.
+// Outputs in the input dtype (fp32 accumulation over all rows of the expert), every element written.
+void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
+                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1);
+
+}  // namespace routed
+}  // namespace fused

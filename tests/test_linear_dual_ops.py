@@ -1,0 +1,625 @@
+"""Op-level and module tests of `torch.ops.fused.linear_dual` / `linear_dual_backward` (docs/design.md, "Routed GEMM
+ops") and of `fused_ops.linear_dual` (`linear_dual`, `DualLinear`).
+
+Every device-parametrized test runs on "cpu" and on each visible CUDA device (marked `gpu`, see conftest.py).
+Correctness is measured against the float64 oracle in tests/reference_routed.py (each token through only its own
+expert) as ||out - ref|| / ||ref|| with a per-dtype tolerance. The CPU tier uses small, odd shapes (M = 1, 37, 300;
+K, N = 40, 24, 72: no multiples of 16); realistic sizes (M = K = N = 4096) run on CUDA only.
+"""
+import itertools
+import math
+
+import pytest
+import torch
+
+import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
+from fused_ops.linear_dual import DualLinear, linear_dual
+from reference_routed import MASK_KINDS, linear_dual_reference, make_mask, reference_grads, rel_err, strided_view
+
+OPS = torch.ops.fused
+ERR = (RuntimeError, ValueError)
+
+# Relative-error tolerances. The op accumulates in fp32 and rounds once to the output dtype, so the error is about the
+# output rounding (unit roundoff 2^-8 bf16, 2^-11 fp16; RMS a third to a half of it), with ~3x margin. fp32 is exact
+# IEEE fp32 unless allow_tf32 (then inputs are rounded to 10-bit mantissas: ~5e-4 RMS). float64 exists on CPU only.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-10}
+TOL_TF32 = 5e-3
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DT_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+# (M, K, N): M not a multiple of 16 / 128, K and N not multiples of 16; "odd" has K and N that are not multiples of
+# 16 bytes either (the CUDA op then cannot use the TMA kernels: pointer kernels, generic variant); one aligned shape
+SHAPES = {"m1": (1, 40, 24), "m37": (37, 24, 72), "m300": (300, 72, 40), "odd": (45, 37, 27), "m128al": (128, 64, 48)}
+LAYOUTS = ["contig", "transposed", "sliced", "strided_k"]
+BIASES = ["none", "both", "v_only", "t_only"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def make_weights(N, K, dtype, device, bias="both"):
+    """(weight_v, weight_t, bias_v, bias_t): nn.Linear-scaled random weights (outputs of order 1), two different
+    experts so a token sent to the wrong one is caught."""
+    wv = (torch.randn(N, K, device=device) / math.sqrt(max(K, 1))).to(dtype)
+    wt = (torch.randn(N, K, device=device) / math.sqrt(max(K, 1))).to(dtype)
+    bv = (torch.randn(N, device=device) * 0.5).to(dtype) if bias in ("both", "v_only") else None
+    bt = (torch.randn(N, device=device) * 0.5).to(dtype) if bias in ("both", "t_only") else None
+    return wv, wt, bv, bt
+
+
+def poison_allocator(device, nbytes):
+    """Leaves a NaN-filled block of `nbytes` in the CUDA caching allocator, so an output that reuses it and is not
+    fully written shows NaN. No-op on CPU."""
+    if torch.device(device).type == "cuda" and nbytes > 0:
+        junk = torch.full((nbytes // 4 + 1,), float("nan"), dtype=torch.float32, device=device)
+        del junk
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_out(out, ref, shape, dtype, device, tol, what="out"):
+    """Metadata (shape, dtype, device, contiguous), no NaN/inf, relative error <= tol against the float64 ref."""
+    assert tuple(out.shape) == tuple(shape), f"{what}: shape {tuple(out.shape)} != {tuple(shape)}"
+    assert out.dtype == dtype and out.device == torch.device(device), f"{what}: {out.dtype} on {out.device}"
+    assert out.is_contiguous(), f"{what} not contiguous: strides {out.stride()}"
+    assert bool(torch.isfinite(out).all()), f"{what} has NaN/inf (unwritten elements?)"
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
+
+
+def check_grad(got, ref, dtype, tol, what):
+    """A gradient against its float64 reference; exactly zero where the reference is (an expert with no tokens)."""
+    assert got is not None, f"{what}: no gradient"
+    assert tuple(got.shape) == tuple(ref.shape), f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert got.dtype == dtype, f"{what}: dtype {got.dtype}"
+    assert bool(torch.isfinite(got).all()), f"{what} has NaN/inf"
+    if ref.numel() and not bool(ref.any()):
+        assert not bool(got.any()), f"{what}: must be exactly zero (no token used it), max |g| = {got.abs().max()}"
+        return
+    err = rel_err(got, ref)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
+
+
+def run_and_check_grads(x, mask, wv, wt, bv, bt, tol, g=None, allow_tf32=False):
+    """Autograd through the op (x, both weights and the given biases as leaves) against float64 autograd of the
+    reference. Returns the op's output."""
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, wv, wt, bv, bt)]
+    lx, lwv, lwt, lbv, lbt = leaves
+    out = OPS.linear_dual(lx, mask, lwv, lwt, lbv, lbt, allow_tf32)
+    if g is None:
+        g = torch.randn(out.shape, device=out.device).to(out.dtype)
+    out.backward(g)
+    ref_out, ref_grads = reference_grads(
+        lambda a, b, c, d, e: linear_dual_reference(a, mask, b, c, d, e), [x, wv, wt, bv, bt], g,
+        [True, True, True, bv is not None, bt is not None])
+    for name, leaf, rg in zip(("x", "weight_v", "weight_t", "bias_v", "bias_t"), leaves, ref_grads):
+        if leaf is None:
+            continue
+        check_grad(leaf.grad, rg, x.dtype, tol, f"grad {name}")
+    return out.detach(), ref_out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward / backward vs the reference
+
+
+def _fwd_matrix():
+    rows = []
+    for i, (sk, mk, dt) in enumerate(itertools.product(SHAPES, MASK_KINDS, DTYPES)):
+        bias = BIASES[i % len(BIASES)]  # cycled through the matrix; test_biases covers every combination
+        rows.append(pytest.param(sk, mk, dt, bias, id=f"{sk}-{mk}-{DT_ID[dt]}-b{bias}"))
+    return rows
+
+
+@pytest.mark.parametrize("shape_key,mask_kind,dtype,bias", _fwd_matrix())
+def test_forward_matrix(device, shape_key, mask_kind, dtype, bias):
+    M, K, N = SHAPES[shape_key]
+    x = strided_view((M,), K, dtype, device)
+    mask = make_mask(mask_kind, (M,), device)
+    wv, wt, bv, bt = make_weights(N, K, dtype, device, bias)
+    before = [t.clone() for t in (x, mask, wv, wt) + tuple(b for b in (bv, bt) if b is not None)]
+    poison_allocator(device, M * N * x.element_size())
+    out = OPS.linear_dual(x, mask, wv, wt, bv, bt)
+    sync(device)
+    after = [x, mask, wv, wt] + [b for b in (bv, bt) if b is not None]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "inputs were modified"
+    check_out(out, linear_dual_reference(x, mask, wv, wt, bv, bt), (M, N), dtype, device, TOL[dtype])
+
+
+@pytest.mark.parametrize("bias", BIASES)
+def test_biases(device, bias):
+    M, K, N = 37, 40, 24
+    x = strided_view((M,), K, torch.float32, device)
+    mask = make_mask("random", (M,), device)
+    wv, wt, bv, bt = make_weights(N, K, torch.float32, device, bias)
+    out = OPS.linear_dual(x, mask, wv, wt, bias_v=bv, bias_t=bt)
+    check_out(out, linear_dual_reference(x, mask, wv, wt, bv, bt), (M, N), torch.float32, device, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_backward_matrix(device, mask_kind, dtype):
+    """Gradients of x, both weights and both biases through autograd (the C++ autograd calling
+    linear_dual_backward) against float64 autograd of the reference; an expert without tokens gets exact zeros."""
+    M, K, N = 300, 72, 40
+    x = strided_view((M,), K, dtype, device)
+    mask = make_mask(mask_kind, (M,), device)
+    wv, wt, bv, bt = make_weights(N, K, dtype, device, "both")
+    out, ref = run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[dtype])
+    check_out(out, ref, (M, N), dtype, device, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("mask_kind", ["random", "all_true", "span"])
+def test_backward_op_direct(device, mask_kind, dtype):
+    """linear_dual_backward called directly: (grad_x, grad_weight_v, grad_weight_t, grad_bias_v, grad_bias_t)."""
+    M, K, N = 37, 24, 72
+    x = strided_view((M,), K, dtype, device)
+    mask = make_mask(mask_kind, (M,), device)
+    wv, wt, _, _ = make_weights(N, K, dtype, device, "none")
+    g = strided_view((M,), N, dtype, device)
+    poison_allocator(device, (M * K + 2 * N * K + 2 * N) * x.element_size())
+    got = OPS.linear_dual_backward(g, x, mask, wv, wt)
+    assert isinstance(got, (tuple, list)) and len(got) == 5
+    # the biases' gradients do not depend on the biases: take them from a reference with zero biases
+    zb = torch.zeros(N, dtype=dtype, device=device)
+    _, ref = reference_grads(lambda a, b, c, d, e: linear_dual_reference(a, mask, b, c, d, e),
+                             [x, wv, wt, zb, zb], g, [True] * 5)
+    for name, gt, rg in zip(("grad_x", "grad_weight_v", "grad_weight_t", "grad_bias_v", "grad_bias_t"), got, ref):
+        check_grad(gt, rg, dtype, TOL[dtype], name)
+    assert got[0].shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_and_leading_shape(device, layout, dtype):
+    """x [b, s, K] in every memory layout (transposed / sliced with an unaligned offset / stride 2 in K), with a mask
+    that is itself a transposed view in the transposed case; forward and gradients."""
+    b, s, K, N = 2, 19, 40, 24
+    x = strided_view((b, s), K, dtype, device, layout)
+    mask = make_mask("random", (b, s), device)
+    if layout == "transposed":
+        mask = mask.transpose(0, 1).contiguous().transpose(0, 1)
+    wv, wt, bv, bt = make_weights(N, K, dtype, device, "both")
+    out = OPS.linear_dual(x, mask, wv, wt, bv, bt)
+    check_out(out, linear_dual_reference(x, mask, wv, wt, bv, bt), (b, s, N), dtype, device, TOL[dtype])
+    run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[dtype])
+
+
+@pytest.mark.parametrize("lead", [(0,), (2, 0), (0, 3)], ids=["m0", "b2s0", "b0s3"])
+def test_empty(device, lead):
+    """M = 0: empty output; gradients of the weights and biases are zero (not garbage)."""
+    K, N = 40, 24
+    x = torch.empty(lead + (K,), device=device, dtype=torch.bfloat16)
+    mask = torch.empty(lead, device=device, dtype=torch.bool)
+    wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, device, "both")
+    out = OPS.linear_dual(x, mask, wv, wt, bv, bt)
+    assert out.shape == lead + (N,) and out.dtype == torch.bfloat16 and out.device == x.device
+    g = torch.empty(lead + (N,), device=device, dtype=torch.bfloat16)
+    poison_allocator(device, 2 * N * K * 2 + 1024)
+    gx, gwv, gwt, gbv, gbt = OPS.linear_dual_backward(g, x, mask, wv, wt)
+    sync(device)
+    assert gx.shape == x.shape
+    for name, t, shape in (("grad_weight_v", gwv, (N, K)), ("grad_weight_t", gwt, (N, K)), ("grad_bias_v", gbv, (N,)),
+                           ("grad_bias_t", gbt, (N,))):
+        assert tuple(t.shape) == shape, name
+        assert not bool(t.any()) and bool(torch.isfinite(t).all()), f"{name} must be zero for M = 0"
+
+
+def test_deterministic(device):
+    """Same inputs, same bits (no atomics): forward and backward twice."""
+    M, K, N = 300, 72, 40
+    x = strided_view((M,), K, torch.bfloat16, device)
+    mask = make_mask("random", (M,), device)
+    wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, device, "both")
+    g = strided_view((M,), N, torch.bfloat16, device)
+    a = OPS.linear_dual(x, mask, wv, wt, bv, bt)
+    b = OPS.linear_dual(x, mask, wv, wt, bv, bt)
+    assert torch.equal(a, b)
+    for u, v in zip(OPS.linear_dual_backward(g, x, mask, wv, wt), OPS.linear_dual_backward(g, x, mask, wv, wt)):
+        assert torch.equal(u, v)
+
+
+def test_tf32(device):
+    """allow_tf32=True on float32: within the TF32 tolerance (CPU may ignore the flag and be exact); without it the
+    CUDA result must be exact fp32 even for a long reduction (K = 1024), which TF32 would miss by ~100x."""
+    M, K, N = (300, 72, 40) if torch.device(device).type == "cpu" else (512, 1024, 256)
+    x = strided_view((M,), K, torch.float32, device)
+    mask = make_mask("random", (M,), device)
+    wv, wt, bv, bt = make_weights(N, K, torch.float32, device, "both")
+    ref = linear_dual_reference(x, mask, wv, wt, bv, bt)
+    check_out(OPS.linear_dual(x, mask, wv, wt, bv, bt, allow_tf32=True), ref, (M, N), torch.float32, device, TOL_TF32)
+    check_out(OPS.linear_dual(x, mask, wv, wt, bv, bt, allow_tf32=False), ref, (M, N), torch.float32, device,
+              TOL[torch.float32], "out (exact fp32)")
+    g = strided_view((M,), N, torch.float32, device)
+    run_and_check_grads(x, mask, wv, wt, bv, bt, TOL_TF32, g=g, allow_tf32=True)
+    run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[torch.float32], g=g, allow_tf32=False)
+
+
+def test_float64(device):
+    """float64 is computed exactly on CPU (gradcheck needs it); CUDA either refuses it or computes it correctly."""
+    x = strided_view((7,), 8, torch.float64, device)
+    mask = make_mask("random", (7,), device)
+    wv, wt, bv, bt = make_weights(5, 8, torch.float64, device, "both")
+    try:
+        out = OPS.linear_dual(x, mask, wv, wt, bv, bt)
+    except ERR as e:
+        assert torch.device(device).type == "cuda", f"float64 must work on CPU: {e}"
+        assert any(w in str(e).lower() for w in ("dtype", "double", "float64", "x")), str(e)
+        return
+    check_out(out, linear_dual_reference(x, mask, wv, wt, bv, bt), (7, 5), torch.float64, device,
+              TOL[torch.float64])
+
+
+def test_transposed_weights_either_work_or_raise(device):
+    """Weights given as transposed views of [K, N] storage (what routed-GEMM code written for `weight.T` holds): the
+    op must either compute with them correctly (copying if it must) or refuse them naming the weight; never be
+    silently wrong."""
+    M, K, N = 37, 40, 24
+    x = strided_view((M,), K, torch.bfloat16, device)
+    mask = make_mask("random", (M,), device)
+    wv, wt, _, _ = make_weights(N, K, torch.bfloat16, device, "none")
+    wv_t, wt_t = wv.t().contiguous().t(), wt.t().contiguous().t()  # same values, strides (1, N)
+    try:
+        out = OPS.linear_dual(x, mask, wv_t, wt_t)
+    except ERR as e:
+        assert "weight" in str(e) or "contiguous" in str(e) or "stride" in str(e), str(e)
+        return
+    check_out(out, linear_dual_reference(x, mask, wv, wt), (M, N), torch.bfloat16, device, TOL[torch.bfloat16])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CUDA: realistic sizes, several devices, CUDA graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_kind", ["random", "span"])
+def test_realistic_bf16(gpu_device, mask_kind):
+    """M = K = N = 4096 bf16 with biases: forward and the gradients of x, both weights and both biases."""
+    M = K = N = 4096
+    x = strided_view((M,), K, torch.bfloat16, gpu_device)
+    mask = make_mask(mask_kind, (M,), gpu_device)
+    wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, gpu_device, "both")
+    out, ref = run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[torch.bfloat16])
+    check_out(out, ref, (M, N), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+def test_realistic_leading_shape(gpu_device, dtype):
+    """[b, s] = [3, 700] tokens (M = 2100, not a multiple of 128), K = 999, N = 1030 (rows not a multiple of 16
+    bytes: pointer kernels), 90% vision."""
+    b, s, K, N = 3, 700, 999, 1030
+    x = strided_view((b, s), K, dtype, gpu_device, "transposed")
+    mask = make_mask("vision90", (b, s), gpu_device)
+    wv, wt, bv, bt = make_weights(N, K, dtype, gpu_device, "v_only")
+    out, ref = run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[dtype])
+    check_out(out, ref, (b, s, N), dtype, gpu_device, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=DT_ID.get)
+def test_pointer_kernels_forced(gpu_device, dtype, monkeypatch):
+    """FUSED_GEMM_TMA=0 (docs/design.md) makes the op use the pointer kernels even where the TMA ones apply (aligned
+    sizes on an H100): forward and all gradients still match. (Exercises that path if the op reads the variable per
+    call; otherwise it repeats the default path, still a valid check.)"""
+    monkeypatch.setenv("FUSED_GEMM_TMA", "0")
+    M, K, N = 1000, 512, 384
+    x = strided_view((M,), K, dtype, gpu_device)
+    mask = make_mask("random", (M,), gpu_device)
+    wv, wt, bv, bt = make_weights(N, K, dtype, gpu_device, "both")
+    out, ref = run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[dtype])
+    check_out(out, ref, (M, N), dtype, gpu_device, TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_all_devices_agree():
+    """The same inputs on every visible device give the same result (and each matches the reference)."""
+    if torch.cuda.device_count() < 1:
+        pytest.skip("no CUDA device")
+    M, K, N = 1000, 520, 264
+    x = strided_view((M,), K, torch.bfloat16, "cpu")
+    mask = make_mask("random", (M,), "cpu")
+    wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, "cpu", "both")
+    ref = linear_dual_reference(x, mask, wv, wt, bv, bt)
+    outs = []
+    for i in range(torch.cuda.device_count()):
+        d = f"cuda:{i}"
+        out = OPS.linear_dual(x.to(d), mask.to(d), wv.to(d), wt.to(d), bv.to(d), bt.to(d))
+        check_out(out, ref.to(d), (M, N), torch.bfloat16, d, TOL[torch.bfloat16], f"out on {d}")
+        outs.append(out.cpu())
+    for i, o in enumerate(outs[1:], 1):
+        assert rel_err(o, outs[0].double()) <= TOL[torch.bfloat16] / 4, f"cuda:{i} disagrees with cuda:0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DT_ID.get)
+def test_cuda_graph(gpu_device, dtype):
+    """The launch grid depends only on shapes: capture the forward once, then copy new x AND a new mask (different
+    expert counts) into the static inputs and replay; each replay matches the reference."""
+    torch.cuda.set_device(gpu_device)
+    M, K, N = 777, 264, 200
+    x = strided_view((M,), K, dtype, gpu_device)
+    mask = make_mask("random", (M,), gpu_device)
+    wv, wt, bv, bt = make_weights(N, K, dtype, gpu_device, "both")
+    stream = torch.cuda.Stream(gpu_device)
+    stream.wait_stream(torch.cuda.current_stream(gpu_device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up (loads the kernels) outside the capture
+            OPS.linear_dual(x, mask, wv, wt, bv, bt)
+    torch.cuda.current_stream(gpu_device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OPS.linear_dual(x, mask, wv, wt, bv, bt)
+    for kind in ("all_true", "span", "all_false", "random"):
+        x.copy_(strided_view((M,), K, dtype, gpu_device))
+        mask.copy_(make_mask(kind, (M,), gpu_device))
+        graph.replay()
+        torch.cuda.synchronize(gpu_device)
+        check_out(out, linear_dual_reference(x, mask, wv, wt, bv, bt), (M, N), dtype, gpu_device, TOL[dtype],
+                  f"replay ({kind})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# argument validation
+
+
+def test_errors_structural(device):
+    """Every device must raise, naming the offending argument."""
+    M, K, N = 6, 8, 5
+    x = strided_view((M,), K, torch.float32, device)
+    mask = make_mask("random", (M,), device)
+    wv, wt, bv, bt = make_weights(N, K, torch.float32, device, "both")
+    g = strided_view((M,), N, torch.float32, device)
+    cases = [
+        (r"(?i)mask|bool", lambda: OPS.linear_dual(x, mask.to(torch.int32), wv, wt)),
+        (r"(?i)mask|bool", lambda: OPS.linear_dual(x, mask.to(torch.uint8), wv, wt)),
+        (r"(?i)mask|bool", lambda: OPS.linear_dual(x, mask.float(), wv, wt)),
+        ("mask", lambda: OPS.linear_dual(x, mask[:-1], wv, wt)),  # wrong length
+        ("mask", lambda: OPS.linear_dual(x, mask.reshape(2, 3), wv, wt)),  # same numel, wrong shape
+        ("mask", lambda: OPS.linear_dual(x.reshape(2, 3, K), mask, wv, wt)),  # x [2,3,K] with mask [6]
+        ("weight", lambda: OPS.linear_dual(x, mask, wv, wt[:-1])),  # N disagrees
+        ("weight", lambda: OPS.linear_dual(x, mask, wv[:, :-1], wt[:, :-1])),  # K != x's K
+        ("weight", lambda: OPS.linear_dual(x, mask, wv, wt[:, :-1])),  # K disagrees between experts
+        ("weight", lambda: OPS.linear_dual(x, mask, wv.reshape(-1), wt.reshape(-1))),  # 1-D weights
+        ("weight", lambda: OPS.linear_dual(x, mask, wv[None], wt[None])),  # 3-D weights
+        ("bias", lambda: OPS.linear_dual(x, mask, wv, wt, bv[:-1], bt)),
+        ("bias", lambda: OPS.linear_dual(x, mask, wv, wt, bv, torch.zeros(N + 1, device=device))),
+        ("bias", lambda: OPS.linear_dual(x, mask, wv, wt, bv[None], bt[None])),  # [1, N]
+        (r"(?i)dtype|type", lambda: OPS.linear_dual(x.half(), mask, wv, wt)),  # x fp16, weights fp32
+        (r"(?i)dtype|type", lambda: OPS.linear_dual(x, mask, wv, wt.bfloat16())),  # experts disagree
+        (r"(?i)dtype|type", lambda: OPS.linear_dual(x, mask, wv, wt, bv.half(), bt)),
+        (r"(?i)dtype|type|\bx\b", lambda: OPS.linear_dual(x.to(torch.int32), mask, wv.to(torch.int32),
+                                                           wt.to(torch.int32))),
+        (r"(?i)\bx\b|dim", lambda: OPS.linear_dual(x[0, 0], mask[0], wv, wt)),  # 0-d x
+        (r"(?i)grad", lambda: OPS.linear_dual_backward(g[:, :-1], x, mask, wv, wt)),  # grad_out [M, N-1]
+        (r"(?i)grad", lambda: OPS.linear_dual_backward(g[:-1], x, mask, wv, wt)),  # grad_out [M-1, N]
+        (r"(?i)mask|bool", lambda: OPS.linear_dual_backward(g, x, mask.to(torch.uint8), wv, wt)),
+        (r"(?i)dtype|type", lambda: OPS.linear_dual_backward(g.half(), x, mask, wv, wt)),
+    ]
+    failures = []
+    for pattern, fn in cases:
+        try:
+            with pytest.raises(ERR, match=pattern):
+                fn()
+        except BaseException as e:  # noqa: BLE001 (collect all, report together)
+            failures.append(f"[{pattern}] {e!s}".splitlines()[0][:300])
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+def test_errors_mixed_devices(gpu_device):
+    M, K, N = 6, 8, 5
+    x = strided_view((M,), K, torch.float32, gpu_device)
+    mask = make_mask("random", (M,), gpu_device)
+    wv, wt, bv, bt = make_weights(N, K, torch.float32, gpu_device, "both")
+    cases = [
+        (r"(?i)weight|device", lambda: OPS.linear_dual(x, mask, wv.cpu(), wt)),
+        (r"(?i)weight|device", lambda: OPS.linear_dual(x, mask, wv, wt.cpu())),
+        (r"(?i)mask|device", lambda: OPS.linear_dual(x, mask.cpu(), wv, wt)),
+        (r"(?i)bias|device", lambda: OPS.linear_dual(x, mask, wv, wt, bv.cpu(), bt)),
+        (r"(?i)\bx\b|device|weight", lambda: OPS.linear_dual(x.cpu(), mask.cpu(), wv, wt)),
+        (r"(?i)grad|device", lambda: OPS.linear_dual_backward(torch.zeros(M, N), x, mask, wv, wt)),
+    ]
+    if torch.cuda.device_count() > 1:
+        other = f"cuda:{(torch.device(gpu_device).index + 1) % torch.cuda.device_count()}"
+        cases.append((r"(?i)weight|device", lambda: OPS.linear_dual(x, mask, wv, wt.to(other))))
+        cases.append((r"(?i)mask|device", lambda: OPS.linear_dual(x, mask.to(other), wv, wt)))
+    failures = []
+    for pattern, fn in cases:
+        try:
+            with pytest.raises(ERR, match=pattern):
+                fn()
+        except BaseException as e:  # noqa: BLE001
+            failures.append(f"[{pattern}] {e!s}".splitlines()[0][:300])
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# autograd checks and torch.library integration (CPU)
+
+
+@pytest.mark.parametrize("mask_kind", ["random", "all_true", "span"])
+@pytest.mark.parametrize("bias", ["both", "v_only", "none"])
+def test_gradcheck_cpu(mask_kind, bias):
+    M, K, N = 7, 5, 3
+    x = torch.randn(M, K, dtype=torch.float64, requires_grad=True)
+    mask = make_mask(mask_kind, (M,))
+    wv, wt, bv, bt = (t.requires_grad_(True) if t is not None else None
+                      for t in make_weights(N, K, torch.float64, "cpu", bias))
+    inputs = tuple(t for t in (x, wv, wt, bv, bt) if t is not None)
+
+    def fn(*ts):
+        it = iter(ts)
+        a, b, c = next(it), next(it), next(it)
+        d = next(it) if bv is not None else None
+        e = next(it) if bt is not None else None
+        return OPS.linear_dual(a, mask, b, c, d, e)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_gradcheck_cpu_leading_shape():
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    mask = make_mask("random", (2, 3))
+    wv, wt, bv, bt = (t.requires_grad_(True) for t in make_weights(3, 4, torch.float64, "cpu", "both"))
+    assert torch.autograd.gradcheck(lambda *t: OPS.linear_dual(t[0], mask, *t[1:]), (x, wv, wt, bv, bt))
+
+
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+#: the ops of this file; a test in test_rope_ops.py may collect these names for its every-op-is-opchecked check
+OPCHECKED = ["linear_dual", "linear_dual_backward"]
+
+
+def _opcheck_samples(op_name):
+    M, K, N = 6, 5, 3
+    mask = make_mask("random", (M,))
+    mk = lambda *s, rg=False: torch.randn(*s, requires_grad=rg)  # noqa: E731
+    if op_name == "linear_dual":
+        return [
+            ((mk(M, K), mask, mk(N, K), mk(N, K)), {}),
+            ((mk(M, K, rg=True), mask, mk(N, K, rg=True), mk(N, K, rg=True), mk(N, rg=True), mk(N, rg=True)), {}),
+            ((mk(2, 3, K, rg=True), mask.reshape(2, 3), mk(N, K, rg=True), mk(N, K)), dict(bias_t=mk(N, rg=True))),
+        ]
+    return [((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)), {}),
+            ((mk(2, 3, N), mk(2, 3, K), mask.reshape(2, 3), mk(N, K), mk(N, K)), dict(allow_tf32=True))]
+
+
+@pytest.mark.parametrize("op_name", OPCHECKED)
+def test_opcheck(op_name):
+    op = getattr(OPS, op_name).default
+    for args, kwargs in _opcheck_samples(op_name):
+        torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_UTILS)
+
+
+def test_torch_compile_module_fullgraph_cpu():
+    """DualLinear forward (and the gradients through it) under torch.compile(fullgraph=True, backend="aot_eager")."""
+    torch._dynamo.reset()
+    mod = DualLinear(12, 7)
+    cmod = torch.compile(mod, fullgraph=True, backend="aot_eager")
+    for lead in ((9,), (2, 5)):  # a second shape: recompiles or runs dynamic, must not break the graph
+        x = torch.randn(lead + (12,), requires_grad=True)
+        mask = make_mask("random", lead)
+        want = mod(x, mask)
+        gw = torch.autograd.grad(want.square().sum(), (x, mod.weight, mod.bias))
+        got = cmod(x, mask)
+        gg = torch.autograd.grad(got.square().sum(), (x, mod.weight, mod.bias))
+        torch.testing.assert_close(got, want)
+        for a, b in zip(gg, gw):
+            torch.testing.assert_close(a, b)
+
+
+def test_meta_device():
+    for lead in ((7,), (2, 9), (0,)):
+        x = torch.empty(lead + (40,), device="meta", dtype=torch.bfloat16)
+        mask = torch.empty(lead, device="meta", dtype=torch.bool)
+        w = torch.empty(24, 40, device="meta", dtype=torch.bfloat16)
+        b = torch.empty(24, device="meta", dtype=torch.bfloat16)
+        out = OPS.linear_dual(x, mask, w, w, b, None)
+        assert out.device.type == "meta" and out.dtype == torch.bfloat16 and out.shape == lead + (24,)
+        g = torch.empty(lead + (24,), device="meta", dtype=torch.bfloat16)
+        gx, gwv, gwt, gbv, gbt = OPS.linear_dual_backward(g, x, mask, w, w)
+        assert gx.shape == x.shape and gwv.shape == gwt.shape == (24, 40) and gbv.shape == gbt.shape == (24,)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Python API: linear_dual and DualLinear
+
+
+def test_functional_wrapper(device):
+    M, K, N = 37, 24, 72
+    x = strided_view((M,), K, torch.bfloat16, device).requires_grad_(True)
+    mask = make_mask("span", (M,), device)
+    wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, device, "t_only")
+    out = linear_dual(x, mask, wv, wt, bias_t=bt)
+    assert torch.equal(out, OPS.linear_dual(x, mask, wv, wt, None, bt))
+    assert out.requires_grad and out.grad_fn is not None
+    check_out(out.detach(), linear_dual_reference(x, mask, wv, wt, None, bt), (M, N), torch.bfloat16, device,
+              TOL[torch.bfloat16])
+    out.float().sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_dual_linear_layout(device, bias):
+    """One [2, N, K] weight (0 = text, 1 = vision) and one [2, N] bias; weight_v / weight_t are views at offsets
+    N*K and 0 of the same storage; the module computes linear_dual with them."""
+    K, N = 40, 24
+    mod = DualLinear(K, N, bias=bias, device=device, dtype=torch.bfloat16)
+    assert dict(mod.named_parameters()).keys() == ({"weight", "bias"} if bias else {"weight"})
+    assert mod.weight.shape == (2, N, K) and mod.weight.dtype == torch.bfloat16
+    assert mod.weight_v.shape == mod.weight_t.shape == (N, K)
+    es = mod.weight.element_size()
+    assert mod.weight_t.data_ptr() == mod.weight.data_ptr()
+    assert mod.weight_v.data_ptr() == mod.weight.data_ptr() + N * K * es
+    assert mod.weight_v._base is mod.weight or mod.weight_v.untyped_storage().data_ptr() == \
+        mod.weight.untyped_storage().data_ptr()
+    if bias:
+        assert mod.bias.shape == (2, N)
+        assert mod.bias_t.data_ptr() == mod.bias.data_ptr() and mod.bias_v.data_ptr() == mod.bias.data_ptr() + N * es
+    else:
+        assert mod.bias is None and mod.bias_v is None and mod.bias_t is None
+    # nn.Linear's init range (up to bf16 rounding), and the two experts differ
+    bound = 1 / math.sqrt(K) * (1 + 2 ** -7)
+    assert float(mod.weight.detach().abs().max()) <= bound and not torch.equal(mod.weight[0], mod.weight[1])
+    x = strided_view((3, 13), K, torch.bfloat16, device)
+    mask = make_mask("random", (3, 13), device)
+    out = mod(x, mask)
+    ref = linear_dual_reference(x, mask, mod.weight_v, mod.weight_t, mod.bias_v, mod.bias_t)
+    check_out(out.detach(), ref, (3, 13, N), torch.bfloat16, device, TOL[torch.bfloat16])
+    assert "in_features=40" in repr(mod) and "out_features=24" in repr(mod)
+
+
+def test_dual_linear_grads_land_in_stacked_parameters(device):
+    """Gradients reach weight.grad [2, N, K] / bias.grad [2, N] with the text expert's in row 0, the vision
+    expert's in row 1; with an all-text mask the vision half is exactly zero."""
+    K, N, M = 24, 40, 37
+    mod = DualLinear(K, N, device=device, dtype=torch.float32)
+    for kind in ("random", "all_false"):
+        mod.zero_grad(set_to_none=True)
+        x = strided_view((M,), K, torch.float32, device)
+        mask = make_mask(kind, (M,), device)
+        g = strided_view((M,), N, torch.float32, device)
+        mod(x, mask).backward(g)
+        assert mod.weight.grad.shape == (2, N, K) and mod.bias.grad.shape == (2, N)
+        _, ref = reference_grads(lambda wv, wt, bv, bt: linear_dual_reference(x, mask, wv, wt, bv, bt),
+                                 [mod.weight_v, mod.weight_t, mod.bias_v, mod.bias_t], g, [True] * 4)
+        tol = TOL[torch.float32]
+        check_grad(mod.weight.grad[1], ref[0], torch.float32, tol, f"weight.grad[1] ({kind})")
+        check_grad(mod.weight.grad[0], ref[1], torch.float32, tol, f"weight.grad[0] ({kind})")
+        check_grad(mod.bias.grad[1], ref[2], torch.float32, tol, f"bias.grad[1] ({kind})")
+        check_grad(mod.bias.grad[0], ref[3], torch.float32, tol, f"bias.grad[0] ({kind})")
+
+
+@pytest.mark.parametrize("biases", [(True, True), (False, False), (True, False), (False, True)],
+                         ids=["both", "none", "v_only", "t_only"])
+def test_dual_linear_from_linears(device, biases):
+    """from_linears copies two nn.Linear experts: each token's output equals its own linear's."""
+    K, N, M = 40, 24, 300
+    lv = torch.nn.Linear(K, N, bias=biases[0], device=device, dtype=torch.float32)
+    lt = torch.nn.Linear(K, N, bias=biases[1], device=device, dtype=torch.float32)
+    mod = DualLinear.from_linears(lv, lt)
+    assert (mod.bias is not None) == any(biases)
+    assert torch.equal(mod.weight_v, lv.weight) and torch.equal(mod.weight_t, lt.weight)
+    assert mod.weight.data_ptr() not in (lv.weight.data_ptr(), lt.weight.data_ptr())  # copies, not aliases
+    x = strided_view((M,), K, torch.float32, device)
+    mask = make_mask("vision90", (M,), device)
+    with torch.no_grad():
+        want = torch.where(mask[:, None], lv(x), lt(x))
+        got = mod(x, mask)
+    check_out(got, want.double(), (M, N), torch.float32, device, 1e-5)
+    with pytest.raises(ValueError, match="shape"):
+        DualLinear.from_linears(lv, torch.nn.Linear(K, N + 1, device=device))
+
+
+def test_dual_linear_state_dict_roundtrip():
+    a = DualLinear(16, 8)
+    b = DualLinear(16, 8)
+    b.load_state_dict(a.state_dict())
+    x, mask = torch.randn(5, 16), make_mask("random", (5,))
+    assert torch.equal(a(x, mask), b(x, mask))
+    assert set(a.state_dict()) == {"weight", "bias"}
