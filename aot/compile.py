@@ -18,6 +18,10 @@ import os
 import sys
 import time
 
+# The AOT step compiles; Triton's interpreter (TRITON_INTERPRET=1, e.g. inherited from the interpreter tests that
+# spawn a CMake build) would turn every kernel into an InterpretedFunction that cannot be compiled.
+os.environ.pop("TRITON_INTERPRET", None)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

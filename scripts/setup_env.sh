@@ -7,11 +7,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 VENV="${FUSED_VENV:-$ROOT/.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
   if "$PY" -c "import torch, triton" >/dev/null 2>&1; then
+    # Reuse the importable torch: a .pth file puts $PY's site-packages behind the venv's own (this works also
+    # when $PY is itself a venv, where --system-site-packages would reach only the base interpreter's).
     echo "[setup] reusing torch $("$PY" -c 'import torch; print(torch.__version__)') from $PY"
-    "$PY" -m venv --system-site-packages "$VENV"
-  else
-    "$PY" -m venv "$VENV"
+    site_dir="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "$PY" -c 'import site, sys; print("\n".join(p for p in site.getsitepackages() + [site.getusersitepackages()]))' \
+      > "$site_dir/_fused_reuse_torch.pth"
   fi
 fi
 VPY="$VENV/bin/python"
@@ -20,9 +23,11 @@ if ! "$VPY" -c "import torch, triton" >/dev/null 2>&1; then
   echo "[setup] installing torch==2.14.1 (brings triton)"
   "$VPY" -m pip install -q torch==2.14.1
 fi
-for mod in pytest setuptools ninja; do
+for mod in pytest setuptools wheel ninja numpy; do
   "$VPY" -c "import $mod" >/dev/null 2>&1 || "$VPY" -m pip install -q "$mod"
 done
 echo "[setup] building fused_ops (AOT-compiling the Triton kernels, then the C++ op library)"
-( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VPY" -m pip install --no-build-isolation --no-deps -q . )
+# FUSED_BUILD_VERBOSE=1 shows the AOT progress and every compiler and linker command.
+( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VPY" -m pip install --no-build-isolation --no-deps \
+    "$([ -n "${FUSED_BUILD_VERBOSE:-}" ] && echo -v || echo -q)" . )
 "$VPY" -c "import fused_ops; print('[setup] fused_ops built for', fused_ops.built_archs())"
