@@ -55,6 +55,12 @@ ext = cpp_extension.CppExtension(
     include_dirs=[os.path.join(ROOT, "csrc")] + cuda_include_dirs(),
     libraries=["c10_cuda", "torch_cuda", "dl"],
     extra_compile_args=["-O2", "-std=c++20", "-fvisibility=hidden"],
+    # Some toolchains link libstdc++ statically (seen on the GPU machine: CXX=/opt/gcc/bin/g++, no libstdc++.so
+    # in NEEDED). Such a copy must stay private to the library: with its symbols exported, Python's
+    # -Bsymbolic-functions bound its functions locally but its data (locale facet ids) to torch's shared libstdc++,
+    # and the first error message formatted in C++ crashed. --exclude-libs hides archive symbols; it changes nothing
+    # when libstdc++ is linked dynamically.
+    extra_link_args=["-Wl,--exclude-libs,ALL"],
 )
 
 setup(
