@@ -62,8 +62,9 @@ def _rope_variants() -> List[Variant]:
                                "HALF": 16, "freqs_stride": 16}
                     for t in ("x", "o", "x2", "o2"):
                         aligned.update({f"s{t}_s": 16, f"s{t}_b": 16, f"s{t}_h": 16, f"s{t}_d": ("eq", 1)})
-                    out.append(Variant("kernels.rope:rope_kernel", key, args, meta, aligned))
-                    out.append(Variant("kernels.rope:rope_kernel", key, args, meta, {}))
+                    # 2 warps: measured with aot/tune.py on the H100 (docs/perf.md, v2); 4 were 20% slower.
+                    out.append(Variant("kernels.rope:rope_kernel", key, args, meta, aligned, num_warps=2))
+                    out.append(Variant("kernels.rope:rope_kernel", key, args, meta, {}, num_warps=2))
     return out
 
 
@@ -90,7 +91,11 @@ GEMM_TILES = {
     "grad_weight": {"half": (128, 128, 64), "tf32": (128, 128, 64), "ieee": (64, 64, 32)},  # BN x BK x BR
     "linear_tma": {"half": (128, 256, 64), "tf32": (128, 128, 32), "ieee": (64, 64, 32)},
     "swiglu_tma": {"half": (128, 128, 64), "tf32": (128, 64, 32)},  # no fp32-ieee TMA swiglu
+    "grad_weight_tma": {"half": (128, 256, 64), "tf32": (128, 128, 32), "ieee": (64, 64, 32)},  # BN x BK x BR
 }
+# Decoding (M <= 64 rows, bf16/fp16; csrc/ops/routed_gemm.cpp kDecodeRows): narrower tiles, 4 warps, 4 stages, so that
+# more CTAs stream the weights. Measured with aot/tune.py on the H100 (docs/perf.md).
+DECODE_TILE = (128, 64, 64)
 GROUP = 8  # GROUP_M / GROUP_N
 
 
@@ -162,12 +167,12 @@ def _gemm_variants() -> List[Variant]:
 
         # routed_grad_weight_kernel: dW_e (and db_e) written in the input dtype (fp32 accumulation over all rows of
         # the expert inside one program). GATHER=1 (token-order dy/x): linear_dual (dbias) and the pointer ffn
-        # backward; GATHER=0 (expert-ordered buffers): the TMA ffn backward, sm_90 only.
+        # backward. (Expert-ordered buffers, on sm_90, go to routed_grad_weight_tma_kernel.)
         bn, bk, br = GEMM_TILES["grad_weight"][fam]
         args = [("dy_ptr", p), ("x_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("dw0_ptr", p), ("dw1_ptr", p),
                 ("db0_ptr", p), ("db1_ptr", p), ("N", "i32"), ("K", "i32"), ("stride_dym", "i32"),
                 ("stride_xm", "i32"), ("stride_dwn", "i32")]
-        for gather, dbias, archs in ((1, 1, GEMM_ARCHS), (1, 0, GEMM_ARCHS), (0, 0, TMA_ARCHS)):
+        for gather, dbias, archs in ((1, 1, GEMM_ARCHS), (1, 0, GEMM_ARCHS)):
             key = dict(base, gather=gather, dbias=dbias, tile=_tile_str((bn, bk, br)))
             meta = {"GATHER": bool(gather), "HAS_DBIAS": bool(dbias), "ACCUMULATE": False, "INPUT_PRECISION": prec,
                     "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br, "GROUP_N": GROUP}
@@ -186,6 +191,24 @@ def _gemm_variants() -> List[Variant]:
             meta = {"HAS_BIAS": bool(bias), "SCATTER_OUT": bool(scatter), "W_TRANSPOSED": bool(wt),
                     "INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP}
             out += _both("kernels.gemm:routed_linear_tma_kernel", key, args, meta, TMA_ARCHS)
+        for bias in ((1, 0) if fam == "half" else ()):  # decode: scattered forward GEMMs only
+            dm, dn, dk = DECODE_TILE
+            args = [("a_desc", f"tensordesc<{dt}[{dm}, {dk}]>"), ("w_desc", f"tensordesc<{dt}[1, {dn}, {dk}]>"),
+                    ("bias0_ptr", p), ("bias1_ptr", p), ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"),
+                    ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_om", "i32")]
+            key = dict(base, scatter=1, wt=0, bias=bias, tile=_tile_str(DECODE_TILE))
+            meta = {"HAS_BIAS": bool(bias), "SCATTER_OUT": True, "W_TRANSPOSED": False, "INPUT_PRECISION": prec,
+                    "BLOCK_M": dm, "BLOCK_N": dn, "BLOCK_K": dk, "GROUP_M": GROUP}
+            out += _both("kernels.gemm:routed_linear_tma_kernel", key, args, meta, TMA_ARCHS, num_warps=4,
+                         num_stages=4)
+
+        # routed_grad_weight_tma_kernel (sm_90): expert-ordered dy / x through [BR, BN] / [BR, BK] descriptors.
+        bn, bk, br = GEMM_TILES["grad_weight_tma"][fam]
+        args = [("dy_desc", f"tensordesc<{dt}[{br}, {bn}]>"), ("x_desc", f"tensordesc<{dt}[{br}, {bk}]>"),
+                ("seg_ptr", "*i32"), ("dw0_ptr", p), ("dw1_ptr", p), ("N", "i32"), ("K", "i32"), ("stride_dwn", "i32")]
+        key = dict(base, tile=_tile_str((bn, bk, br)))
+        meta = {"INPUT_PRECISION": prec, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br, "GROUP_N": GROUP}
+        out += _both("kernels.gemm:routed_grad_weight_tma_kernel", key, args, meta, TMA_ARCHS)
 
         # routed_swiglu_tma_kernel (sm_90): expert-ordered x -> expert-ordered h.
         if fam in GEMM_TILES["swiglu_tma"]:
@@ -196,7 +219,19 @@ def _gemm_variants() -> List[Variant]:
             key = dict(base, scatter=0, tile=_tile_str((bm, bn, bk)))
             meta = {"SCATTER_OUT": False, "INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                     "GROUP_M": GROUP}
-            out += _both("kernels.gemm:routed_swiglu_tma_kernel", key, args, meta, TMA_ARCHS)
+            # 4 stages for bf16/fp16: 1.035 ms instead of 1.078 with 3 at M=4096, H=4096, I=11008 (aot/tune.py, H100)
+            out += _both("kernels.gemm:routed_swiglu_tma_kernel", key, args, meta, TMA_ARCHS,
+                         num_stages=4 if fam == "half" else 3)
+            if fam == "half":  # decode tile
+                dm, dn, dk = DECODE_TILE
+                args = [("a_desc", f"tensordesc<{dt}[{dm}, {dk}]>"), ("w1_desc", f"tensordesc<{dt}[1, {dn}, {dk}]>"),
+                        ("w3_desc", f"tensordesc<{dt}[1, {dn}, {dk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
+                        ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32")]
+                key = dict(base, scatter=0, tile=_tile_str(DECODE_TILE))
+                meta = {"SCATTER_OUT": False, "INPUT_PRECISION": prec, "BLOCK_M": dm, "BLOCK_N": dn, "BLOCK_K": dk,
+                        "GROUP_M": GROUP}
+                out += _both("kernels.gemm:routed_swiglu_tma_kernel", key, args, meta, TMA_ARCHS, num_warps=4,
+                             num_stages=4)
     return out
 
 

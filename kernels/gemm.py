@@ -356,6 +356,42 @@ def routed_grad_weight_kernel(dy_ptr, x_ptr, perm_ptr, seg_ptr, dw0_ptr, dw1_ptr
             tl.store(db_ptr + offs_n, dbias.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_ptr, dw1_ptr, N, K, stride_dwn,
+                                  INPUT_PRECISION: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                                  GROUP_N: tl.constexpr):
+    """dW_e = dY_e^T X_e over expert-ordered buffers (sm_90): dy_desc [M_pad, N] block [BR, BN], x_desc
+    [M_pad, K] block [BR, BK]. Expert 0 owns rows [seg[0], seg[1]), expert 1 rows [seg[1], seg[2]): both bounds are
+    multiples of the routing ALIGN (BLOCK_R divides it) and padding rows are zero, so every step is a whole, unmasked
+    TMA tile. Grid (2 * cdiv(N, BN) * cdiv(K, BK),) as the pointer kernel; no atomics, deterministic. Bias gradients
+    are not summed here: a row sum in the loop costs every program a pass of the dY tile through registers (the
+    launcher gets them as dY^T times the expert's row indicator, a GEMV)."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    per_e = num_pid_n * num_pid_k
+    e = pid // per_e
+    pid_n, pid_k = _tile_mn(pid % per_e, num_pid_n, num_pid_k, GROUP_N)
+    r_lo = tl.load(seg_ptr + e)
+    r_hi = tl.load(seg_ptr + 1 + e)
+    n0 = pid_n * BLOCK_N
+    k0 = pid_k * BLOCK_K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for r in range(r_lo, r_hi, BLOCK_R):
+        dyt = dy_desc.load([r, n0])  # [BR, BN]
+        xt = x_desc.load([r, k0])  # [BR, BK]
+        acc = tl.dot(dyt.T, xt, acc, input_precision=INPUT_PRECISION)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if e == 0:
+        dw_ptr = dw0_ptr
+    else:
+        dw_ptr = dw1_ptr
+    w_ptrs = dw_ptr + offs_n.to(tl.int64)[:, None] * stride_dwn + offs_k[None, :]
+    tl.store(w_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
+
+
 # ----------------------------------------------------------------------------------------------
 # Python launchers (JIT / TRITON_INTERPRET use; they also document the grids for the C++ side)
 # ----------------------------------------------------------------------------------------------
@@ -449,3 +485,17 @@ def launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, db0=None, db1=None, *,
                                     INPUT_PRECISION=input_precision, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR,
                                     GROUP_N=GROUP_N, num_warps=num_warps, num_stages=num_stages)
     return dw0, dw1, (db0 if has_db else None), (db1 if has_db else None)
+
+
+def launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, *, input_precision="tf32", BN=128, BK=128, BR=64,
+                                  GROUP_N=8, num_warps=8, num_stages=3):
+    """dy_pad [M_pad, N], x_pad [M_pad, K] expert-ordered (zero padding rows, e.g. from launch_gather_rows)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    N, K = dw0.shape
+    dy_desc = TensorDescriptor.from_tensor(dy_pad, [BR, BN])
+    x_desc = TensorDescriptor.from_tensor(x_pad, [BR, BK])
+    grid = (2 * triton.cdiv(N, BN) * triton.cdiv(K, BK), )
+    routed_grad_weight_tma_kernel[grid](dy_desc, x_desc, seg, dw0, dw1, N, K, dw0.stride(0),
+                                        INPUT_PRECISION=input_precision, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR,
+                                        GROUP_N=GROUP_N, num_warps=num_warps, num_stages=num_stages)
+    return dw0, dw1

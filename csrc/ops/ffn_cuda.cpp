@@ -138,10 +138,10 @@ std::vector<at::Tensor> ffn_backward_cuda(const at::Tensor& grad_out, const at::
   const at::Tensor& e1_w2 = geo.dual ? dw2[1] : none;
   const at::Tensor& e1_w1 = geo.dual ? dw1[1] : none;
   const at::Tensor& e1_w3 = geo.dual ? dw3[1] : none;
-  routed::grad_weight(g, r, as(dya), as(h), dw2[0], e1_w2, none, none);  // dw2_e = dy_eᵀ·h_e  [H, I]
+  routed::grad_weight(g, r, as(dya), as(h), dw2[0], e1_w2, none, none, tma);  // dw2_e = dy_eᵀ·h_e  [H, I]
   h.reset();
-  routed::grad_weight(g, r, as(dgate), as(xa), dw1[0], e1_w1, none, none);  // dw1_e = dgate_eᵀ·x_e  [I, H]
-  routed::grad_weight(g, r, as(dup), as(xa), dw3[0], e1_w3, none, none);    // dw3_e = dup_eᵀ·x_e  [I, H]
+  routed::grad_weight(g, r, as(dgate), as(xa), dw1[0], e1_w1, none, none, tma);  // dw1_e = dgate_eᵀ·x_e  [I, H]
+  routed::grad_weight(g, r, as(dup), as(xa), dw3[0], e1_w3, none, none, tma);    // dw3_e = dup_eᵀ·x_e  [I, H]
   at::Tensor gx2 = gx.view({geo.M, geo.H});
   routed::linear(g, r, as(dgate), p.gate, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma);
   at::Tensor gx_up = at::empty({geo.M, geo.H}, opt);

@@ -112,21 +112,25 @@ at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src);
 
 // out = a · W_eᵀ (+ bias_e)  (w_transposed = false; W_e [N, K], a [., K], out [., N]), or
 // out = a · W_e           (w_transposed = true, grad-input; W_e [K_red, N], a [., K_red], out [., N]).
-// tma: the sm_90 kernel (a in token order is gathered first into an expert-ordered buffer); else the pointer kernel
+// tma: the sm_90 kernel (a in token order is gathered first into an expert-ordered buffer, except for a single
+// expert, whose token order is the expert order: then a is read in place when TMA can address it); else the pointer kernel
 // (a gathered through perm when in token order). bias0/bias1: both defined or both undefined, [N], dtype of a.
 // Rows [end, M_pad) of an expert-ordered out are not written; its other padding rows get bias_e (0 without bias).
 void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0,
             const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma);
 
 // h = silu(a · W1_eᵀ) * (a · W3_eᵀ) into an expert-ordered h [M_pad, I]; a [., H]; W1_e, W3_e [I, H].
-// Pointer kernel: a in token order. TMA: a in token order is gathered first.
+// Pointer kernel: a in token order. TMA: a in token order is gathered first (read in place for a single expert, as
+// in linear).
 void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma);
 
 // dW_e = dy_eᵀ · x_e ([N, K]) and, when db0 is defined, db_e = Σ dy_e ([N]) for e = 0 (dw0, db0) and e = 1 (dw1,
 // db1; not touched for a single-expert routing). dy [., N] and x [., K] both in token order or both expert-ordered.
 // Outputs in the input dtype (fp32 accumulation over all rows of the expert), every element written.
+// tma: the sm_90 kernel, which needs both operands expert-ordered with zero padding rows (gather_rows, or outputs of
+// expert-ordered GEMMs without bias).
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
-                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1);
+                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma);
 
 }  // namespace routed
 }  // namespace fused
