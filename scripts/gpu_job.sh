@@ -38,6 +38,7 @@ BENCHES="${BENCHES:-rope linear_dual ffn}"  # benchmark steps to run
 ROUTED_BENCH_S="${ROUTED_BENCH_S:-150}"    # timeout of each routed-GEMM benchmark
 ROUTED_BENCH_ARGS="${ROUTED_BENCH_ARGS:-}" # extra flags for bench_linear_dual.py and bench_ffn.py, e.g. "--rep 50"
 LIGER_SITE="${LIGER_SITE:-/tmp/site}"
+TUNE_ARGS="${TUNE_ARGS:-}"                 # e.g. "--ops rope,linear --rep 20"
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || { echo "cannot cd to the repository root"; exit 1; }
 REPO="$PWD"
@@ -47,8 +48,9 @@ JOB_LOG="$OUT/job.log"
 : >"$JOB_LOG"
 
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
+export FUSED_BUILD_VERBOSE=1  # build.log gets the AOT progress and the compiler/linker commands
 export PIP_NO_INDEX=1   # no network on the GPU machine: never let pip wait on an index
-export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS JOB_LOG
+export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS JOB_LOG
 
 SUMMARY=()
 say() { echo "$*" | tee -a "$JOB_LOG"; }
@@ -133,7 +135,26 @@ step_build() {
     echo "BUILD_CMD: $BUILD_CMD"
     eval "$BUILD_CMD" || return $?
     echo "--- import check"
-    (cd /tmp && "$PY" -c "import fused_ops, torch; print('fused_ops from', fused_ops.__file__); print('ops:', [o for o in ('rope_fwd', 'rope_bwd', 'rope_fwd_', 'rope_fwd_qk', 'linear_dual', 'linear_dual_backward', 'ffn', 'ffn_backward') if hasattr(torch.ops.fused, o)])")
+    (cd /tmp && "$REPO/.venv/bin/python" -c "import fused_ops, torch; print('fused_ops from', fused_ops.__file__); print('ops:', [o for o in ('rope_fwd', 'rope_bwd', 'rope_fwd_', 'rope_fwd_qk', 'linear_dual', 'linear_dual_backward', 'ffn', 'ffn_backward') if hasattr(torch.ops.fused, o)])")
+}
+
+step_diag() {
+    # How the extension was compiled and linked on this machine (the toolchain's flags come from Python's
+    # sysconfig), and whether a bad-input call raises in a plain process.
+    "$PY" -c 'import sysconfig
+for k in ("CC", "CXX", "LDSHARED", "LDCXXSHARED", "CFLAGS", "LDFLAGS", "CCSHARED", "OPT", "BLDSHARED"):
+    print(f"sysconfig {k} = {sysconfig.get_config_var(k)!r}")'
+    env | grep -iE "flags|^cc=|^cxx=|^ldshared" || true
+    local so
+    so=$(ls "$REPO"/.venv/lib/python3*/site-packages/fused_ops/_C*.so 2>/dev/null | head -n 1)
+    echo "so: $so"
+    readelf -d "$so" | grep -E "NEEDED|RPATH|RUNPATH|SYMBOLIC|FLAGS"
+    echo "defined std:: symbols (libstdc++ code linked in?):"
+    nm -C --defined-only "$so" | grep -E "std::(locale|ostream|basic_ostream|codecvt|ios_base)" | head -n 8
+    nm -C --defined-only "$so" | grep -cE "std::(locale|codecvt|ios_base)" || true
+    grep -E "(^| )(x86_64-linux-gnu-g\+\+|g\+\+|c\+\+|gcc|x86_64-linux-gnu-gcc) .*-shared" "$OUT/build.log" | tail -n 1 | cut -c1-1500 || true
+    grep -E "(c\+\+|g\+\+|gcc) .*-c .*rope_checks" "$OUT/build.log" | tail -n 1 | cut -c1-1500 || true
+    "$PY" -X faulthandler scripts/repro_error_path.py; echo "repro rc=$?"
 }
 
 step_tests_gpu() {
@@ -174,7 +195,12 @@ step_bench_ffn() {
     "$PY" benchmarks/bench_ffn.py $ROUTED_BENCH_ARGS
 }
 
-export -f step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
+step_tune() {
+    # Config search with Triton's JIT (aot/tune.py); the table goes to bench_routed.log (8 files come back at most).
+    "$PY" -m aot.tune --out /tmp/tune_results.json $TUNE_ARGS
+}
+
+export -f step_tune step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
     step_bench_ffn
 
 has_bench() { [[ " $BENCHES " == *" $1 "* ]]; }
@@ -188,7 +214,7 @@ has_bench ffn && ROUTED_AFTER_LINEAR=$(( ROUTED_BENCH_S + 5 ))
 # ------------------------------------------------------------------------------- run
 say "gpu_job: repo $REPO, OUT $OUT, budget ${JOB_BUDGET_S}s, $(date -u)"
 #        name        max  reserve  log                    show  function
-STEPS="${STEPS:-env liger build repro tests-gpu main bench-rope bench-linear bench-ffn}"
+STEPS="${STEPS:-env liger build diag tests-gpu main bench-rope bench-linear bench-ffn tune}"
 has_step() { [[ " $STEPS " == *" $1 "* ]]; }
 #        name        max  reserve  log                    show  function
 has_step env && run_step env          45     0    "$JOB_LOG"              1     step_env
@@ -197,12 +223,14 @@ has_step build && run_step build       300   120    "$OUT/build.log"        0   
 echo "--- last lines of build.log:"; tail -n 25 "$OUT/build.log" 2>/dev/null
 PY="$REPO/.venv/bin/python"   # what the build step made; every later step uses it
 export PY
+has_step diag && run_step diag         60    60    "$OUT/job.log"          1     step_diag
 has_step repro && run_step repro        60    60    "$OUT/tests.log"        1     step_repro
 has_step tests-gpu && run_step tests-gpu  330    40    "$OUT/tests.log"        1     step_tests_gpu
 has_step main && run_step main         60     0    "$OUT/tests.log"        1     step_main
 has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/bench_rope.log" 1 step_bench
 has_step bench-linear && run_step bench-linear "$ROUTED_BENCH_S" $(( 15 + ROUTED_AFTER_LINEAR )) "$OUT/bench_routed.log" 1 step_bench_linear_dual
 has_step bench-ffn && run_step bench-ffn "$ROUTED_BENCH_S" 15 "$OUT/bench_routed.log" 1 step_bench_ffn
+has_step tune && run_step tune         240    5    "$OUT/bench_routed.log" 1     step_tune
 
 {
     echo
