@@ -1,14 +1,30 @@
-"""Config search on the local GPU: times candidate block configs of the kernels with Triton's JIT (tuning time only;
-the built package never runs Triton) and writes what it measured to a JSON file.
+"""Config search on the local GPU: times candidate block configs of each kernel over a grid of shapes with Triton's
+JIT (tuning time only; the built package never runs Triton) and writes the winners as the architecture's config table.
 
-    python -m aot.tune [--ops rope,linear,swiglu,grad_weight,decode] [--out tune_sm90.json] [--rep 30]
+    python -m aot.tune [--ops linear,swiglu,grad_weight,rope] [--ms 1,16,64,256,1024,4096,16384]
+                       [--models 7b,13b,70b] [--results tune_sm90.jsonl] [--write aot/configs/sm90.json]
+                       [--rep 20] [--budget-s SECONDS]
 
-Each candidate is checked against a float64 reference once before it is timed, so a fast wrong config cannot win.
-Timings are medians of CUDA-event times over inputs rotated past the L2 (benchmarks/common.py). The result file
-holds every (op, shape, config) time; the winners are printed as a table. The AOT configs live in aot/manifest.py
-(GEMM_TILES, and the rope meta-parameters); see docs/perf.md for how a measured winner gets there.
+then rebuild (`bash scripts/retune.sh` does both). What it does:
+* kernels: on sm_90 the TMA GEMMs (routed_linear_tma / routed_swiglu_tma / routed_grad_weight_tma), elsewhere the
+  pointer GEMMs; and rope_kernel. bf16 inputs: the "half" family (fp16 runs the same MMA shapes); the fp32 families
+  keep their table entries.
+* shapes: m (token rows; the reduction length for grad-weight) from --ms, times the projections of Llama-style
+  models (--models: hidden / intermediate sizes of Llama-2 7B, 13B and 70B): linear N x K = H x H and H x I, swiglu
+  I x H, grad-weight H x H and I x H. 50% random routing mask (both experts busy).
+* candidates: CANDIDATES below plus every config the current table already uses for the kernel (so "default" is
+  always measured next to the winner).
+* each (shape, candidate) is checked once against a float64 reference on sampled rows / columns before it is timed,
+  so a fast wrong config cannot win; timings are medians of CUDA-event times over inputs rotated past the L2
+  (benchmarks/common.py).
+* results append to --results (JSON lines), one per (kernel, shape, candidate): a killed or --budget-s-limited run
+  resumes where it stopped. A progress line per measurement shows [done/total] and the elapsed time.
+* --write: per kernel and m, the candidate with the lowest geometric mean of (time / best time) over the shapes of
+  that m wins; neighbouring m with the same winner merge into one bucket (max_m = the largest m measured in it; the
+  last bucket is open-ended). Kernels and families not measured keep their entries. The table is validated.
 """
 import argparse
+import datetime
 import json
 import math
 import os
@@ -22,223 +38,433 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 
+from aot import config_table as ct  # noqa: E402
 from benchmarks import common  # noqa: E402
-from kernels import gemm, rope  # noqa: E402
-from kernels.routing import route  # noqa: E402
 
 DEV = "cuda"
+DTYPE = torch.bfloat16  # what the "half" family is measured with
+MODELS = {"7b": (4096, 11008), "13b": (5120, 13824), "70b": (8192, 28672)}  # Llama-2: hidden, intermediate
+
+# (block, group, warps, stages) candidates per kernel. TMA GEMMs: 128-row tiles (the routing alignment) or 64 for
+# decode, wide N for the large-m case (what cuBLAS uses on Hopper), narrow N / more stages for decode (more CTAs to
+# stream the weights). Pointer GEMMs: Triton's Ampere configs that fit 99 KiB of shared memory.
+_TMA_LINEAR = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128, 64), 8, 8, 4),
+               ((128, 128, 64), 8, 4, 4), ((128, 128, 128), 8, 8, 3), ((128, 64, 64), 8, 4, 4),
+               ((64, 64, 128), 8, 4, 4), ((64, 128, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4)]
+_TMA_SWIGLU = [((128, 128, 64), 8, 8, 3), ((128, 128, 64), 8, 8, 4), ((128, 64, 64), 8, 4, 4),
+               ((128, 64, 64), 8, 8, 4), ((64, 64, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4)]
+_TMA_GRAD_W = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128, 64), 8, 8, 4),
+               ((128, 128, 64), 8, 4, 4), ((256, 128, 64), 8, 8, 3), ((64, 128, 64), 8, 4, 4)]
+_PTR_GEMM = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 4, 4), ((128, 64, 64), 8, 4, 4),
+             ((64, 128, 64), 8, 4, 4), ((64, 64, 64), 8, 4, 4), ((64, 64, 32), 8, 4, 6)]
+_PTR_GRAD_W = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 8, 4), ((64, 128, 64), 8, 4, 4),
+               ((128, 64, 64), 8, 4, 4)]
+_ROPE = [((bh, 64, 128), None, w, 1) for bh in (8, 16, 32) for w in (1, 2, 4, 8)]
 
 
+def _entry(block, group, warps, stages):
+    e = {"block": list(block)}
+    if group is not None:
+        e["group"] = group
+    e.update(warps=warps, stages=stages)
+    return e
+
+
+def table_arch(cc):
+    """The table a GPU of compute capability cc runs from (the launcher's choice for a default build): sm_86/sm_87
+    run the sm_80 cubins."""
+    arch = {8: 89 if cc == 89 else 80, 9: 90}.get(cc // 10)
+    if arch is None:
+        raise SystemExit(f"aot.tune: no config table for compute capability {cc} (aot/configs/ has sm80, sm89, sm90); "
+                         "add the architecture to aot/manifest.py ARCHS and a table first")
+    return arch
+
+
+def kernels_for(cc):
+    """op -> (kernel name, candidates) for this GPU."""
+    if table_arch(cc) == 90:
+        return {"linear": ("routed_linear_tma_kernel", _TMA_LINEAR), "swiglu": ("routed_swiglu_tma_kernel", _TMA_SWIGLU),
+                "grad_weight": ("routed_grad_weight_tma_kernel", _TMA_GRAD_W), "rope": ("rope_kernel", _ROPE)}
+    return {"linear": ("routed_linear_kernel", _PTR_GEMM), "swiglu": ("routed_swiglu_kernel", _PTR_GEMM),
+            "grad_weight": ("routed_grad_weight_kernel", _PTR_GRAD_W), "rope": ("rope_kernel", _ROPE)}
+
+
+# ----------------------------------------------------------------------------------------------------- measuring
 def _rel(out, ref):
     out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _time(fn, arg_sets, rep):
-    return common.bench(fn, args=arg_sets, warmup=5, rep=rep)
+class Problem:
+    """One shape of one op: inputs (rotated past the L2), a reference check and a timed call per config."""
+
+    def __init__(self, op, kernel, m, n, k):
+        from kernels import gemm
+        from kernels.routing import route
+        self.op, self.kernel, self.m, self.n, self.k = op, kernel, m, n, k
+        self.gemm, dt = gemm, DTYPE
+        self.tma = kernel.endswith("_tma_kernel")
+        self.mask = torch.rand(m, device=DEV) < 0.5
+        self.perm, self.seg = route(self.mask)
+        valid = self.perm >= 0
+        self.rows = self.perm[valid].long()  # token of each valid expert-ordered row
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        g = lambda *s, scale=1.0: torch.randn(*s, device=DEV, dtype=dt) * scale  # noqa: E731
+        if op == "linear":
+            self.w = g(2, n, k, scale=k ** -0.5)
+            make = lambda: (g(m, k), )  # noqa: E731
+            nbytes = m * k * 2
+        elif op == "swiglu":
+            self.w1, self.w3 = g(2, n, k, scale=k ** -0.5), g(2, n, k, scale=k ** -0.5)
+            make = lambda: (g(m, k), )  # noqa: E731
+            nbytes = m * k * 2
+        else:  # grad_weight: dW_e [n, k] = dy_eᵀ x_e over m rows
+            make = lambda: (g(m, n), g(m, k))  # noqa: E731
+            nbytes = m * (n + k) * 2
+        self.sets = [self._prepare(make()) for _ in range(common.rotation_count(nbytes))]
+        self.flops = 2 * m * n * k * (2 if op == "swiglu" else 1)
+
+    def _gather(self, t):
+        out = torch.empty(self.perm.shape[0], t.shape[1], device=DEV, dtype=t.dtype)
+        return self.gemm.launch_gather_rows(t, out, self.perm)
+
+    def _prepare(self, tensors):
+        """The operands as the production launcher hands them to this kernel (gathered for TMA, token order else)."""
+        if self.tma:
+            return tensors + tuple(self._gather(t) for t in tensors)
+        return tensors
+
+    def run(self, cfg, args):
+        """Launches the kernel with config cfg on one input set; returns what to check."""
+        bm_or_bn, b1, b2 = cfg["block"]
+        gm, w, s = cfg.get("group", 8), cfg["warps"], cfg["stages"]
+        G = self.gemm
+        if self.op == "linear":
+            out = self.out
+            if self.tma:
+                G.launch_routed_linear_tma(args[1], self.w, None, None, out, self.perm, self.seg, BM=bm_or_bn, BN=b1,
+                                           BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, num_stages=s)
+            else:
+                G.launch_routed_linear(args[0], self.w[0], self.w[1], None, None, out, self.perm, self.seg, self.n,
+                                       self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w, num_stages=s)
+            return out
+        if self.op == "swiglu":
+            h = self.out
+            if self.tma:
+                G.launch_routed_swiglu_tma(args[1], self.w1, self.w3, h, self.perm, self.seg, BM=bm_or_bn, BN=b1,
+                                           BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, num_stages=s)
+            else:
+                G.launch_routed_swiglu(args[0], self.w1[0], self.w1[1], self.w3[0], self.w3[1], h, self.perm,
+                                       self.seg, self.n, self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w,
+                                       num_stages=s)
+            return h
+        dw0, dw1 = self.out
+        if self.tma:
+            G.launch_routed_grad_weight_tma(args[2], args[3], self.seg, dw0, dw1, BN=bm_or_bn, BK=b1, BR=b2,
+                                            GROUP_N=gm, num_warps=w, num_stages=s)
+        else:
+            G.launch_routed_grad_weight(args[0], args[1], self.perm, self.seg, dw0, dw1, BN=bm_or_bn, BK=b1, BR=b2,
+                                        GROUP_N=gm, num_warps=w, num_stages=s)
+        return dw0, dw1
+
+    def error(self, cfg):
+        """Relative error against float64 on sampled rows (columns for grad-weight), outputs poisoned first."""
+        a = self.sets[0]
+        m1 = self.mask.double()[:, None]
+        if self.op == "grad_weight":
+            self.out = tuple(torch.full((self.n, self.k), float("nan"), device=DEV, dtype=DTYPE)
+                             for _ in range(2))
+            dw0, dw1 = self.run(cfg, a)
+            cols = torch.randperm(self.k, device=DEV)[:64]
+            dy, x = a[0].double(), a[1][:, cols].double()
+            return max(_rel(dw0[:, cols], (dy * (1 - m1)).T @ x), _rel(dw1[:, cols], (dy * m1).T @ x))
+        shape = (self.m, self.n) if self.op == "linear" else (self.perm.shape[0], self.n)
+        self.out = torch.full(shape, float("nan"), device=DEV, dtype=DTYPE)
+        got = self.run(cfg, a)
+        rows = torch.randperm(self.m, device=DEV)[:64]
+        x = a[0][rows].double()
+        vis = self.mask[rows][:, None]
+        if self.op == "linear":
+            ref = torch.where(vis, x @ self.w[1].double().T, x @ self.w[0].double().T)
+            return _rel(got[rows], ref)
+        # h is expert-ordered: find each sampled token's row
+        where = torch.empty(self.m, dtype=torch.long, device=DEV)
+        where[self.rows] = torch.nonzero(self.perm >= 0).flatten()
+        h = lambda w1, w3: torch.nn.functional.silu(x @ w1.double().T) * (x @ w3.double().T)  # noqa: E731
+        ref = torch.where(vis, h(self.w1[1], self.w3[1]), h(self.w1[0], self.w3[0]))
+        return _rel(got[where[rows]], ref)
+
+    def time(self, cfg, rep):
+        return common.bench(lambda *a: self.run(cfg, a), args=self.sets, warmup=5, rep=rep)
+
+    def cublas_ms(self, rep):
+        """cuBLAS on the same useful FLOPs (one expert's weights for every row), for the report."""
+        a = self.sets[0]
+        if self.op == "linear":
+            return common.bench(lambda t: torch.nn.functional.linear(t, self.w[0]), args=[(a[0], )], warmup=5, rep=rep)
+        if self.op == "swiglu":
+            w13 = torch.cat([self.w1[0], self.w3[0]])
+            return common.bench(lambda t: torch.nn.functional.linear(t, w13), args=[(a[0], )], warmup=5, rep=rep)
+        return common.bench(lambda dy, x: dy.T @ x, args=[(a[0], a[1])], warmup=5, rep=rep)
 
 
-def _sets(make, nbytes):
-    return [make() for _ in range(common.rotation_count(nbytes))]
+class RopeProblem:
+    """rope_kernel on one of two shapes (Llama q in sbhd; q and GQA k in one launch, bshd)."""
+    CASES = {"sbhd s4096 b2 h32 d128": (4096, 2, 32, 0, False), "bshd qk s4096 b2 q32 k8 d128": (4096, 2, 32, 8, True)}
 
-
-# ------------------------------------------------------------------------------------------------------------ rope
-def tune_rope(rep):
-    rows = []
-    d, dt = 128, torch.bfloat16
-    half = d // 2
-    for case, (s, b, h, h2, bshd) in {"sbhd s4096 b2 h32": (4096, 2, 32, 0, False),
-                                      "bshd qk q32 k8": (4096, 2, 32, 8, True)}.items():
-        freqs = torch.rand(s, 1, 1, d, device=DEV) * 100
-        shape = (b, s, h, d) if bshd else (s, b, h, d)
-        shape2 = (b, s, h2 or 1, d) if bshd else (s, b, h2 or 1, d)
+    def __init__(self, case):
+        from kernels import rope
+        self.rope, self.case = rope, case
+        s, b, h, h2, bshd = self.CASES[case]
+        self.s, self.b, self.h, self.h2, self.bshd, self.d = s, b, h, h2, bshd, 128
+        self.freqs = torch.rand(s, 1, 1, self.d, device=DEV) * 100
+        shape = (b, s, h, self.d) if bshd else (s, b, h, self.d)
+        shape2 = (b, s, max(h2, 1), self.d) if bshd else (s, b, max(h2, 1), self.d)
         nbytes = 2 * 2 * (math.prod(shape) + (math.prod(shape2) if h2 else 0))
-        sets = _sets(lambda: (torch.randn(shape, device=DEV, dtype=dt), torch.randn(shape2, device=DEV, dtype=dt)),
-                     nbytes)
-        x0, k0 = sets[0]
-        no_i32 = torch.zeros(1, device=DEV, dtype=torch.int32)  # cu_seqlens / start_positions: unused here
-        ang = freqs[:s, 0, 0].double()
-        cos, sin = ang.cos(), ang.sin()
+        g = lambda sh: torch.randn(sh, device=DEV, dtype=DTYPE)  # noqa: E731
+        self.sets = [(g(shape), g(shape2)) for _ in range(common.rotation_count(nbytes))]
+        self.nbytes = nbytes
+        self.m, self.n, self.k = s * b, h, self.d
 
-        def ref(x):  # x [., s, h, d] or [s, ., h, d]
-            xd = x.double()
-            c = cos[None, :, None, :] if bshd else cos[:, None, None, :]
-            sn = sin[None, :, None, :] if bshd else sin[:, None, None, :]
-            rot = torch.cat([-xd[..., half:], xd[..., :half]], -1)
-            return xd * c + rot * sn
+    def _st(self, t):
+        return (t.stride(1), t.stride(0), t.stride(2), t.stride(3)) if self.bshd else tuple(t.stride())
 
-        for bh in (4, 8, 16, 32):
-            for nw in (1, 2, 4, 8):
-                def run(x, k):
-                    out = torch.empty_like(x)
-                    out2 = torch.empty_like(k) if h2 else out
-                    st = lambda t: (t.stride(1), t.stride(0), t.stride(2), t.stride(3)) if bshd else \
-                        (t.stride(0), t.stride(1), t.stride(2), t.stride(3))
-                    rope.rope_kernel[(s * b, )](
-                        x, out, k if h2 else x, out2, freqs, no_i32, no_i32, s, b, h, h2, d, half, s, freqs.stride(0),
-                        *st(x), *st(out), *st(k if h2 else x), *st(out2), 1, 0, 1 if bshd else 0,
-                        IS_THD=False, INTERLEAVED=False, HAS_SECOND=bool(h2), BLOCK_H=bh, BLOCK_HALF=64,
-                        BLOCK_B=128, num_warps=nw)
-                    return out, out2
-                o, o2 = run(x0, k0)
-                err = _rel(o, ref(x0))
-                if h2:
-                    err = max(err, _rel(o2, ref(k0)))
-                ms = _time(run, sets, rep) if err < 1e-2 else float("nan")
-                rows.append(dict(op="rope", shape=case, config=f"BLOCK_H={bh},warps={nw}", ms=ms, err=err,
-                                 gbps=nbytes / ms / 1e6))
-        ms_copy = common.copy_time_ms(nbytes // 2, warmup=5, rep=rep, dev=DEV)
-        rows.append(dict(op="rope", shape=case, config="copy (ceiling)", ms=ms_copy, err=0.0,
-                         gbps=nbytes / ms_copy / 1e6))
-    return rows
+    def run(self, cfg, args):
+        x, k = args
+        out, out2 = torch.empty_like(x), torch.empty_like(k)
+        bh, bhalf, bb = cfg["block"]
+        no_i32 = torch.zeros(1, device=DEV, dtype=torch.int32)
+        sec = k if self.h2 else x
+        self.rope.rope_kernel[(self.s * self.b, )](
+            x, out, sec, out2 if self.h2 else out, self.freqs, no_i32, no_i32, self.s, self.b, self.h, self.h2,
+            self.d, self.d // 2, self.s, self.freqs.stride(0), *self._st(x), *self._st(out), *self._st(sec),
+            *self._st(out2 if self.h2 else out), 1, 0, 1 if self.bshd else 0, IS_THD=False, INTERLEAVED=False,
+            HAS_SECOND=bool(self.h2), BLOCK_H=bh, BLOCK_HALF=bhalf, BLOCK_B=bb, num_warps=cfg["warps"],
+            num_stages=cfg["stages"])
+        return out, out2
 
+    def error(self, cfg):
+        x, k = self.sets[0]
+        out, out2 = self.run(cfg, (x, k))
+        ang = self.freqs[:self.s, 0, 0].double()
+        half = self.d // 2
 
-# ------------------------------------------------------------------------------------------------------- GEMMs
-def _routing(M, frac=0.5):
-    mask = torch.rand(M, device=DEV) < frac
-    perm, seg = route(mask)
-    return mask, perm, seg
+        def ref(t):
+            td = t.double()
+            c = ang.cos()[None, :, None, :] if self.bshd else ang.cos()[:, None, None, :]
+            sn = ang.sin()[None, :, None, :] if self.bshd else ang.sin()[:, None, None, :]
+            return td * c + torch.cat([-td[..., half:], td[..., :half]], -1) * sn
+        err = _rel(out, ref(x))
+        return max(err, _rel(out2, ref(k))) if self.h2 else err
+
+    def time(self, cfg, rep):
+        return common.bench(lambda *a: self.run(cfg, a), args=self.sets, warmup=5, rep=rep)
+
+    def cublas_ms(self, rep):  # the copy ceiling of the same bytes
+        return common.copy_time_ms(self.nbytes // 2, warmup=5, rep=rep, dev=DEV)
 
 
-def _gathered(x, perm):
-    out = torch.empty(perm.shape[0], x.shape[1], device=DEV, dtype=x.dtype)
-    return gemm.launch_gather_rows(x, out, perm)
+# ------------------------------------------------------------------------------------------------------ the search
+def shapes(op, ms, models):
+    if op == "rope":
+        return list(RopeProblem.CASES)
+    out = []
+    for m in ms:
+        for name in models:
+            H, I = MODELS[name]
+            nk = {"linear": [(H, H), (H, I)], "swiglu": [(I, H)], "grad_weight": [(H, H), (I, H)]}[op]
+            out += [(m, n, k) for n, k in nk]
+    return list(dict.fromkeys(out))
 
 
-def tune_linear(rep, M=4096, K=4096, N=4096, decode=False):
-    rows = []
-    dt = torch.bfloat16
-    mask, perm, seg = _routing(M)
-    w = torch.randn(2, N, K, device=DEV, dtype=dt) / math.sqrt(K)
-    sets = _sets(lambda: (_gathered(torch.randn(M, K, device=DEV, dtype=dt), perm), ), 2 * M * K * 2)
-    xg = sets[0][0]
-    x = torch.empty(M, K, device=DEV, dtype=dt)
-    x[perm[perm >= 0].long()] = xg[perm >= 0]
-    ref = torch.where(mask[:, None], x.double() @ w[1].double().T, x.double() @ w[0].double().T)
-    flops = 2 * M * N * K
-    cfgs = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
-            (128, 128, 128, 8, 3), (128, 256, 128, 8, 2)]
-    if decode:
-        cfgs = [(128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
-                (64, 64, 64, 4, 6), (64, 32, 128, 4, 4)]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for bm, bn, bk, nw, ns in cfgs:
-        out = torch.full((M, N), float("nan"), device=DEV, dtype=dt)
-
-        def run(a):
-            return gemm.launch_routed_linear_tma(a, w, None, None, out, perm, seg, BM=bm, BN=bn, BK=bk,
-                                                 num_programs=sms, num_warps=nw, num_stages=ns)
-        try:
-            err = _rel(run(xg), ref)
-            ms = _time(run, sets, rep) if err < 2e-2 else float("nan")
-        except Exception as e:  # noqa: BLE001 (out of shared memory, ...)
-            err, ms = float("nan"), float("nan")
-            print(f"  linear {bm}x{bn}x{bk} w{nw} s{ns}: {type(e).__name__}: {str(e)[:120]}")
-        rows.append(dict(op="linear_decode" if decode else "linear", shape=f"M{M} K{K} N{N}",
-                         config=f"{bm}x{bn}x{bk},w{nw},s{ns}", ms=ms, err=err, tflops=flops / ms / 1e9,
-                         gbps=2 * N * K * 2 / ms / 1e6))
-    a = torch.randn(M, K, device=DEV, dtype=dt)
-    ms = _time(lambda t: torch.nn.functional.linear(t, w[0]), [(a, )], rep)
-    rows.append(dict(op="linear_decode" if decode else "linear", shape=f"M{M} K{K} N{N}", config="cuBLAS 1 GEMM",
-                     ms=ms, err=0.0, tflops=flops / ms / 1e9))
-    return rows
+def shape_str(op, shape):
+    return shape if op == "rope" else "M{}_N{}_K{}".format(*shape)
 
 
-def tune_swiglu(rep, M=4096, H=4096, I=11008, decode=False):
-    rows = []
-    dt = torch.bfloat16
-    mask, perm, seg = _routing(M)
-    w1 = torch.randn(2, I, H, device=DEV, dtype=dt) / math.sqrt(H)
-    w3 = torch.randn(2, I, H, device=DEV, dtype=dt) / math.sqrt(H)
-    sets = _sets(lambda: (_gathered(torch.randn(M, H, device=DEV, dtype=dt), perm), ), 2 * M * H * 2)
-    xg = sets[0][0]
-    valid = perm >= 0
-    e = (torch.arange(perm.shape[0], device=DEV) >= seg[1]).long()
-    xv = xg[valid].double()
-    ev = e[valid]
-    refs = []
-    for ex in (0, 1):
-        sel = ev == ex
-        gg = xv[sel] @ w1[ex].double().T
-        uu = xv[sel] @ w3[ex].double().T
-        refs.append((sel, gg * torch.sigmoid(gg) * uu))
-    flops = 2 * M * H * I * 2
-    cfgs = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (128, 64, 64, 8, 4), (128, 128, 32, 8, 5)]
-    if decode:
-        cfgs = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 32, 128, 4, 4)]
-    for bm, bn, bk, nw, ns in cfgs:
-        h = torch.full((perm.shape[0], I), float("nan"), device=DEV, dtype=dt)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-
-        def run(a):
-            return gemm.launch_routed_swiglu_tma(a, w1, w3, h, perm, seg, BM=bm, BN=bn, BK=bk, num_programs=sms,
-                                                 num_warps=nw, num_stages=ns)
-        try:
-            out = run(xg)[valid]
-            err = max(_rel(out[sel], r) for sel, r in refs if sel.any())
-            ms = _time(run, sets, rep) if err < 2e-2 else float("nan")
-        except Exception as ex_:  # noqa: BLE001
-            err, ms = float("nan"), float("nan")
-            print(f"  swiglu {bm}x{bn}x{bk} w{nw} s{ns}: {type(ex_).__name__}: {str(ex_)[:120]}")
-        rows.append(dict(op="swiglu_decode" if decode else "swiglu", shape=f"M{M} H{H} I{I}", config=f"{bm}x{bn}x{bk},w{nw},s{ns}", ms=ms, err=err,
-                         tflops=flops / ms / 1e9))
-    return rows
+def candidates(kernel, cands, table):
+    """The search space plus every config the current table uses for this kernel's half (or all) family."""
+    fam = "all" if kernel == "rope_kernel" else "half"
+    out = {ct.cfg_str(e): e for e in (_entry(*c) for c in cands)}
+    for e in ct.buckets(table, kernel, fam):
+        e = {k: v for k, v in e.items() if k in ("block", "group", "warps", "stages")}
+        out.setdefault(ct.cfg_str(e), e)
+    return fam, out
 
 
-def tune_grad_weight(rep, M=4096, N=4096, K=4096):
-    rows = []
-    dt = torch.bfloat16
-    mask, perm, seg = _routing(M)
-    sets = _sets(lambda: (_gathered(torch.randn(M, N, device=DEV, dtype=dt), perm),
-                          _gathered(torch.randn(M, K, device=DEV, dtype=dt), perm)), 2 * M * (N + K) * 2)
-    dyg, xg = sets[0]
-    e = (torch.arange(perm.shape[0], device=DEV) >= seg[1])
-    ref1 = (dyg.double() * e[:, None]).T @ xg.double()
-    flops = 2 * M * N * K
-    for bn, bk, br, nw, ns in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
-                               (256, 128, 64, 8, 3)]:
-        dw0 = torch.empty(N, K, device=DEV, dtype=dt)
-        dw1 = torch.empty(N, K, device=DEV, dtype=dt)
-
-        def run(dy, x):
-            return gemm.launch_routed_grad_weight_tma(dy, x, seg, dw0, dw1, BN=bn, BK=bk, BR=br, num_warps=nw,
-                                                      num_stages=ns)
-        try:
-            err = _rel(run(dyg, xg)[1], ref1)
-            ms = _time(run, sets, rep) if err < 2e-2 else float("nan")
-        except Exception as ex_:  # noqa: BLE001
-            err, ms = float("nan"), float("nan")
-            print(f"  grad_weight {bn}x{bk}x{br} w{nw} s{ns}: {type(ex_).__name__}: {str(ex_)[:120]}")
-        rows.append(dict(op="grad_weight", shape=f"M{M} N{N} K{K}", config=f"{bn}x{bk}x{br},w{nw},s{ns}", ms=ms,
-                         err=err, tflops=flops / ms / 1e9))
-    return rows
+def load_results(path, device):
+    done = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    if r.get("device") == device:
+                        done[(r["kernel"], r["shape"], r["config"])] = r
+    return done
 
 
-OPS = {"rope": tune_rope, "linear": tune_linear, "swiglu": tune_swiglu, "grad_weight": tune_grad_weight,
-       "decode": lambda rep: tune_linear(rep, M=16, K=11008, N=4096, decode=True) + tune_swiglu(rep, M=16,
-                                                                                                    decode=True)}
+def search(ops, ms, models, results_path, rep, budget_s, table, cc):
+    device = torch.cuda.get_device_name(0)
+    done = load_results(results_path, device)
+    plan = []
+    kmap = kernels_for(cc)
+    for op in ops:
+        kernel, cands = kmap[op]
+        fam, cfgs = candidates(kernel, cands, table)
+        for shape in shapes(op, ms, models):
+            plan.append((op, kernel, fam, shape, cfgs))
+    total = sum(len(c) + 1 for *_, c in plan)
+    n_done = sum(1 for op, kernel, fam, shape, cfgs in plan for c in list(cfgs) + ["cuBLAS"]
+                 if (kernel, shape_str(op, shape), c) in done)
+    print(f"[tune] {device} (sm_{cc}): {total} measurements, {n_done} already in {results_path}", flush=True)
+    t0 = time.time()
+    out = open(results_path, "a") if results_path else None
+    for op, kernel, fam, shape, cfgs in plan:
+        sstr = shape_str(op, shape)
+        todo = [c for c in list(cfgs) + ["cuBLAS"] if (kernel, sstr, c) not in done]
+        if not todo:
+            continue
+        if budget_s and time.time() - t0 > budget_s:
+            print(f"[tune] time budget ({budget_s:.0f} s) spent: stopping; rerun to resume", flush=True)
+            break
+        prob = RopeProblem(shape) if op == "rope" else Problem(op, kernel, *shape)
+        for c in todo:
+            rec = {"device": device, "cc": cc, "kernel": kernel, "family": fam, "op": op, "shape": sstr,
+                   "m": prob.m, "n": prob.n, "k": prob.k, "config": c}
+            try:
+                if c == "cuBLAS":
+                    rec.update(ms=prob.cublas_ms(rep), err=0.0)
+                else:
+                    err = prob.error(cfgs[c])
+                    ok = err < (2e-2 if op != "rope" else 1e-2)
+                    rec.update(err=err, ms=prob.time(cfgs[c], rep) if ok else None)
+            except Exception as e:  # noqa: BLE001  (out of shared memory / registers: not a candidate here)
+                rec.update(err=None, ms=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+            done[(kernel, sstr, c)] = rec
+            n_done += 1
+            if out:
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+            ms_s = f"{rec['ms']:.4f} ms" if rec.get("ms") else ("wrong" if rec.get("err") else rec.get("error", "-"))
+            print(f"[tune] [{n_done}/{total}] {time.time() - t0:5.0f}s {kernel} {sstr} {c}: {ms_s}", flush=True)
+        del prob
+        torch.cuda.empty_cache()
+    if out:
+        out.close()
+    return done
+
+
+def winners(done, kernel, ms_list):
+    """m -> (cfg, geomean ratio, per-shape times) for the kernel's measured m (one key, None, for rope)."""
+    by_m = {}
+    for (k, sstr, c), r in done.items():
+        if k != kernel or c == "cuBLAS":
+            continue
+        m = None if kernel == "rope_kernel" else r["m"]
+        if m is not None and m not in ms_list:
+            continue
+        by_m.setdefault(m, {}).setdefault(sstr, {})[c] = r.get("ms")
+    out = {}
+    for m, per_shape in by_m.items():
+        best = {s: min(v for v in t.values() if v) for s, t in per_shape.items() if any(t.values())}
+        cfgs = set.intersection(*[set(c for c, v in t.items() if v) for t in per_shape.values()])
+        if not cfgs or len(best) != len(per_shape):
+            continue
+        score = {c: math.exp(sum(math.log(per_shape[s][c] / best[s]) for s in per_shape) / len(per_shape))
+                 for c in cfgs}
+        w = min(score, key=score.get)
+        out[m] = (w, score[w], {s: per_shape[s][w] for s in per_shape})
+    return out
+
+
+def write_table(path, table, done, ops, ms_list, cc, device, argv):
+    new = json.loads(json.dumps(table))
+    kmap = kernels_for(cc)
+    for op in ops:
+        kernel, cands = kmap[op]
+        fam, cfgs = candidates(kernel, cands, table)
+        win = winners(done, kernel, ms_list)
+        if not win:
+            print(f"[tune] {kernel}: nothing complete to write (keeping the table's entries)")
+            continue
+        if kernel == "rope_kernel":
+            new["kernels"].setdefault(kernel, {})[fam] = [dict(cfgs[win[None][0]])]
+            continue
+        buckets = []
+        for m in sorted(win):
+            e = dict(cfgs[win[m][0]])
+            if buckets and ct.cfg_str(buckets[-1]) == ct.cfg_str(e):
+                buckets[-1]["max_m"] = m
+            else:
+                buckets.append(dict(e, max_m=m))
+        buckets[-1].pop("max_m")
+        new["kernels"].setdefault(kernel, {})[fam] = [
+            {k: b[k] for k in ("max_m", "block", "group", "warps", "stages") if k in b} for b in buckets]
+    new["origin"] = (f"tuned on {device} by `python -m aot.tune {' '.join(argv)}` "
+                     f"({datetime.date.today().isoformat()}, triton {__import__('triton').__version__}); "
+                     "families and kernels not measured kept from the previous table")
+    ct.validate(new, path)
+    with open(path, "w") as f:
+        f.write(ct.dumps(new))
+    print(f"[tune] wrote {path}")
+    return new
+
+
+def report(done, ops, ms_list, table, cc):
+    """Default (the table's config before this run) vs tuned (winner) time per kernel and shape."""
+    kmap = kernels_for(cc)
+    print("\n| kernel | shape | default config | default ms | tuned config | tuned ms | tuned / default | "
+          "cuBLAS (or copy) ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for op in ops:
+        kernel, _ = kmap[op]
+        fam = "all" if kernel == "rope_kernel" else "half"
+        win = winners(done, kernel, ms_list)
+        for (k, sstr, c), r in sorted(done.items(), key=lambda kv: (kv[0][0], kv[1].get("m") or 0, kv[0][1])):
+            if k != kernel or c == "cuBLAS":
+                continue
+            m = None if kernel == "rope_kernel" else r["m"]
+            if m not in win or c != win[m][0]:
+                continue
+            dflt = ct.cfg_str(ct.pick(table, kernel, fam, m or 1))
+            d_ms = done.get((kernel, sstr, dflt), {}).get("ms")
+            cb = done.get((kernel, sstr, "cuBLAS"), {}).get("ms")
+            ratio = f"{r['ms'] / d_ms:.3f}" if d_ms else "-"
+            print(f"| {kernel} | {sstr} | {dflt} | {d_ms or float('nan'):.4f} | {c} | {r['ms']:.4f} | {ratio} | "
+                  f"{cb or float('nan'):.4f} |")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--out", default="tune_results.json")
-    p.add_argument("--rep", type=int, default=30)
+    p.add_argument("--ops", default="linear,swiglu,grad_weight,rope")
+    p.add_argument("--ms", default="1,16,64,256,1024,4096,16384", help="token counts (m buckets) to measure")
+    p.add_argument("--models", default="7b,13b,70b", help=f"model sizes for N and K: {', '.join(MODELS)}")
+    p.add_argument("--results", default=None, help="JSON-lines result file (resumable); default tune_sm<cc>.jsonl")
+    p.add_argument("--write", default=None, help="write the winners into this config table (aot/configs/sm<cc>.json)")
+    p.add_argument("--rep", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=0, help="stop starting new shapes after this many seconds")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("aot.tune: needs a CUDA GPU (it times kernels on the local device)")
-    results = []
-    for op in a.ops.split(","):
-        t0 = time.time()
-        print(f"[tune] {op} ...", flush=True)
-        rows = OPS[op](a.rep)
-        results += rows
-        for r in rows:
-            extra = f"{r['tflops']:7.1f} TFLOP/s" if "tflops" in r else f"{r.get('gbps', 0):7.0f} GB/s"
-            print(f"  {r['op']:14s} {r['shape']:20s} {r['config']:28s} {r['ms']:.4f} ms {extra}  err={r['err']:.1e}")
-        print(f"[tune] {op}: {time.time() - t0:.0f}s", flush=True)
-        with open(a.out, "w") as f:  # after every op: a killed run keeps what it measured
-            json.dump({"device": torch.cuda.get_device_name(0), "results": results}, f, indent=1)
+    major, minor = torch.cuda.get_device_capability(0)
+    cc = major * 10 + minor
+    ops = [o for o in a.ops.split(",") if o]
+    unknown = set(ops) - {"linear", "swiglu", "grad_weight", "rope"}
+    if unknown:
+        raise SystemExit(f"aot.tune: unknown --ops {sorted(unknown)} (linear, swiglu, grad_weight, rope)")
+    models = [m for m in a.models.split(",") if m]
+    if set(models) - set(MODELS):
+        raise SystemExit(f"aot.tune: unknown --models {sorted(set(models) - set(MODELS))} ({', '.join(MODELS)})")
+    ms_list = sorted(int(m) for m in a.ms.split(","))
+    arch = table_arch(cc)
+    table = ct.load(arch)
+    results = a.results or f"tune_sm{cc}.jsonl"
+    done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc)
+    report(done, ops, ms_list, table, cc)
+    if a.write:
+        write_table(a.write, table, done, ops, ms_list, cc, torch.cuda.get_device_name(0), sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "ops/rope.h"
+#include "runtime/kernel_configs.h"
 #include "runtime/launcher.h"
 
 TORCH_LIBRARY(fused, m) {
@@ -40,4 +41,11 @@ TORCH_LIBRARY(fused, m) {
   m.def("set_sync_checks(bool enabled) -> bool", [](bool enabled) { return fused::set_sync_checks(enabled); });
   // The GPU architectures this build holds kernels for, e.g. "sm_80, sm_89, sm_90 (+PTX sm_80)".
   m.def("built_archs() -> str", []() { return std::string(fused::built_archs()); });
+  // The block config ("128x256x64_g8_w8_s3") the launchers pick for `kernel` (e.g. "routed_linear_tma_kernel"),
+  // family ("half" = bf16/fp16, "tf32", "ieee"; "all" for rope_kernel) and m rows on a device of compute capability
+  // cc (e.g. 90), from the tables of aot/configs/ compiled into this build. Needs no GPU.
+  m.def("kernel_config(str kernel, str family, int cc, int m) -> str",
+        [](const std::string& kernel, const std::string& family, int64_t cc, int64_t m) {
+          return std::string(fused::kernel_config(kernel.c_str(), family.c_str(), static_cast<int>(cc), m).cfg);
+        });
 }

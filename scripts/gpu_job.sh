@@ -38,7 +38,9 @@ BENCHES="${BENCHES:-rope linear_dual ffn}"  # benchmark steps to run
 ROUTED_BENCH_S="${ROUTED_BENCH_S:-150}"    # timeout of each routed-GEMM benchmark
 ROUTED_BENCH_ARGS="${ROUTED_BENCH_ARGS:-}" # extra flags for bench_linear_dual.py and bench_ffn.py, e.g. "--rep 50"
 LIGER_SITE="${LIGER_SITE:-/tmp/site}"
-TUNE_ARGS="${TUNE_ARGS:-}"                 # e.g. "--ops rope,linear --rep 20"
+TUNE_RESUME="${TUNE_RESUME:-}"
+TUNE_ARGS="${TUNE_ARGS:-}"                 # e.g. "--ops rope,linear --rep 20" (aot/tune.py)
+TUNE_S="${TUNE_S:-240}"                    # timeout of the tune step
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || { echo "cannot cd to the repository root"; exit 1; }
 REPO="$PWD"
@@ -50,7 +52,7 @@ JOB_LOG="$OUT/job.log"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
 export FUSED_BUILD_VERBOSE=1  # build.log gets the AOT progress and the compiler/linker commands
 export PIP_NO_INDEX=1   # no network on the GPU machine: never let pip wait on an index
-export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS JOB_LOG
+export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS TUNE_RESUME JOB_LOG
 
 SUMMARY=()
 say() { echo "$*" | tee -a "$JOB_LOG"; }
@@ -196,8 +198,15 @@ step_bench_ffn() {
 }
 
 step_tune() {
-    # Config search with Triton's JIT (aot/tune.py); the table goes to bench_routed.log (8 files come back at most).
-    "$PY" -m aot.tune --out /tmp/tune_results.json $TUNE_ARGS
+    # Config search with Triton's JIT (aot/tune.py): every measurement goes to $OUT/tune_sm<cc>.jsonl (resumable: put
+    # a previous run's file there first, e.g. TUNE_RESUME=path in the repo), the winners to $OUT/sm<arch>.json (copy
+    # it to aot/configs/ and rebuild), the default-vs-tuned table to bench_routed.log. It stops starting new shapes
+    # 45 s before its timeout.
+    local cc arch budget=$(( STEP_TIMEOUT_S - 45 ))
+    cc=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(a * 10 + b)")
+    arch=$("$PY" -c "from aot.tune import table_arch; print(table_arch($cc))")
+    [[ -n "${TUNE_RESUME:-}" && -f "$TUNE_RESUME" ]] && cp "$TUNE_RESUME" "$OUT/tune_sm$cc.jsonl"
+    "$PY" -m aot.tune --results "$OUT/tune_sm$cc.jsonl" --write "$OUT/sm$arch.json" --budget-s "$budget" $TUNE_ARGS
 }
 
 export -f step_tune step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
@@ -230,7 +239,7 @@ has_step main && run_step main         60     0    "$OUT/tests.log"        1    
 has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/bench_rope.log" 1 step_bench
 has_step bench-linear && run_step bench-linear "$ROUTED_BENCH_S" $(( 15 + ROUTED_AFTER_LINEAR )) "$OUT/bench_routed.log" 1 step_bench_linear_dual
 has_step bench-ffn && run_step bench-ffn "$ROUTED_BENCH_S" 15 "$OUT/bench_routed.log" 1 step_bench_ffn
-has_step tune && run_step tune         240    5    "$OUT/bench_routed.log" 1     step_tune
+has_step tune && run_step tune   "$TUNE_S"    5    "$OUT/bench_routed.log" 1     step_tune
 
 {
     echo

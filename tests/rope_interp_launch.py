@@ -17,7 +17,8 @@ def _next_pow2(n):
 
 
 def rope_launch(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None,
-                cp_size=1, cp_rank=0, backward=False, second=None, inplace=False, block_h=4, block_half=16):
+                cp_size=1, cp_rank=0, backward=False, second=None, inplace=False, block_h=4, block_half=16,
+                block_b=16):
     """Returns out (and out2 when `second` is given); strides and flags packed as the C++ launcher packs them."""
     d2 = freqs.shape[-1]
     f2 = freqs.reshape(freqs.shape[0], d2)
@@ -55,5 +56,5 @@ def rope_launch(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=No
         cu_seqlens if cu_seqlens is not None else dummy, start_positions if start_positions is not None else dummy,
         S, B, H, H2, D, d2 // 2, f2.shape[0], f2.stride(0), *sx, *so, *sx2, *so2, cp_size, cp_rank, flags,
         IS_THD=is_thd, INTERLEAVED=interleaved, HAS_SECOND=second is not None,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_B=16)
+        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_B=block_b)
     return (out, out2) if second is not None else out

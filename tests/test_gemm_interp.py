@@ -327,3 +327,80 @@ def test_grad_weight_tma(dtype, kind):
             assert (out == 0).all()
         else:
             assert rel_err(out, ref) < TOL[dtype]
+
+
+# ------------------------------------------------------------------------- every shipped config (aot/configs/*.json)
+def _shipped_configs():
+    """Distinct (kernel, family, block, group) of every table: warps and stages do not change the interpreter's
+    arithmetic, the tile sizes and grouping do (masking of partial tiles, persistent loops, grid math)."""
+    from aot import config_table as ct
+    from aot import manifest
+    seen = {}
+    for arch in manifest.ARCHS:
+        for kernel, fams in ct.load(arch)["kernels"].items():
+            if kernel == "rope_kernel":
+                continue  # tests/test_rope_interp.py
+            for fam, buckets in fams.items():
+                for e in buckets:
+                    seen.setdefault((kernel, fam, tuple(e["block"]), e["group"]), None)
+    return list(seen)
+
+
+@pytest.mark.parametrize("kernel, fam, block, group", _shipped_configs(),
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_shipped_config(kernel, fam, block, group):
+    """Each config the AOT build compiles computes the right result at sizes that leave partial tiles in every
+    dimension, with both experts populated and the production routing alignment."""
+    dtype = {"half": torch.float16, "tf32": torch.float32, "ieee": torch.float32}[fam]
+    p = "ieee" if fam == "ieee" else "tf32"
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    M, N, K = 150, 200, 136  # N, K: not multiples of any tile; rows 16-byte aligned for TMA
+    gen = torch.Generator().manual_seed(21)
+    mask = make_mask("random", M, gen)
+    perm, seg = route(mask, align=128)
+    M_pad = perm.shape[0]
+    x = rnd(gen, M, K, dtype=dtype)
+    xg = torch.empty(M_pad, K, dtype=dtype)
+    gemm.launch_gather_rows(x, xg, perm)
+    m1 = mask.double()[:, None]
+    if kernel in ("routed_linear_kernel", "routed_linear_tma_kernel"):
+        bm, bn, bk = block
+        w = rnd(gen, 2, N, K, dtype=dtype)
+        b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        if kernel == "routed_linear_kernel":
+            gemm.launch_routed_linear(x, w[0], w[1], b0, b1, out, perm, seg, N, K, input_precision=p, BM=bm, BN=bn,
+                                      BK=bk, GROUP_M=group)
+        else:
+            gemm.launch_routed_linear_tma(xg, w, b0, b1, out, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
+                                          GROUP_M=group, num_programs=5)
+        assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < tol
+    elif kernel in ("routed_swiglu_kernel", "routed_swiglu_tma_kernel"):
+        bm, bn, bk = block
+        w1, w3 = rnd(gen, 2, N, K, dtype=dtype), rnd(gen, 2, N, K, dtype=dtype)
+        h = torch.full((M_pad, N), float("nan"), dtype=dtype)
+        if kernel == "routed_swiglu_kernel":
+            gemm.launch_routed_swiglu(x, w1[0], w1[1], w3[0], w3[1], h, perm, seg, N, K, input_precision=p, BM=bm,
+                                      BN=bn, BK=bk, GROUP_M=group)
+        else:
+            gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
+                                          GROUP_M=group, num_programs=7)
+        valid = perm >= 0
+        got = torch.empty(M, N, dtype=dtype)
+        got[perm[valid].long()] = h[valid]
+        assert rel_err(got, ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)) < tol
+    else:
+        bn, bk, br = block
+        dy = rnd(gen, M, N, dtype=dtype)
+        dw0, dw1 = (torch.full((N, K), float("nan"), dtype=dtype) for _ in range(2))
+        if kernel == "routed_grad_weight_kernel":
+            gemm.launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, input_precision=p, BN=bn, BK=bk, BR=br,
+                                           GROUP_N=group)
+        else:
+            dyg = torch.empty(M_pad, N, dtype=dtype)
+            gemm.launch_gather_rows(dy, dyg, perm)
+            gemm.launch_routed_grad_weight_tma(dyg, xg, seg, dw0, dw1, input_precision=p, BN=bn, BK=bk, BR=br,
+                                               GROUP_N=group)
+        xd, dyd = x.double(), dy.double()
+        assert rel_err(dw0, (dyd * (1 - m1)).T @ xd) < tol
+        assert rel_err(dw1, (dyd * m1).T @ xd) < tol

@@ -104,3 +104,29 @@ def test_rope_kernel_large_angles_fp32_accuracy():
         out = rope_launch(t, f, "sbhd", False, backward=backward)
         ref = rope_reference(t, f, "sbhd", False, backward=backward)
         assert rel_err(out, ref) < 2e-6
+
+
+def _shipped_rope_configs():
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from aot import config_table, manifest
+    return sorted({tuple(e["block"]) for a in manifest.ARCHS
+                   for e in config_table.buckets(config_table.load(a), "rope_kernel", "all")})
+
+
+@pytest.mark.parametrize("block", _shipped_rope_configs(), ids=lambda b: "x".join(map(str, b)))
+def test_rope_kernel_shipped_configs(block):
+    """Each rope config of aot/configs/*.json (BLOCK_H, BLOCK_HALF, BLOCK_B) on shapes that exceed every block: more
+    heads than BLOCK_H, more pairs than BLOCK_HALF, more thd sequences than BLOCK_B."""
+    bh, bhalf, bb = block
+    kw = dict(block_h=bh, block_half=bhalf, block_b=bb)
+    s, b, h, d = 3, 2, bh + 3, 2 * bhalf + 40
+    t = torch.randn(s, b, h, d)
+    f = torch.randn(s, 1, 1, 2 * bhalf + 8)
+    assert rel_err(rope_launch(t, f, "sbhd", **kw), rope_reference(t, f, "sbhd", False)) < 1e-6
+    lens = torch.randint(0, 3, (bb + 5, ))
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+    tt = torch.randn(int(cu[-1]), 2, 16)
+    ft = torch.randn(8, 1, 1, 16)
+    out = rope_launch(tt, ft, "thd", True, cu_seqlens=cu, **kw)
+    assert rel_err(out, rope_reference(tt, ft, "thd", True, cu_seqlens=cu)) < 1e-6

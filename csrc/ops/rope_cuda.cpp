@@ -5,6 +5,8 @@
 
 #include "ops/rope.h"
 #include "ops/torch_launch.h"
+#include "runtime/kernel_configs.h"
+#include "runtime/launcher.h"
 
 namespace fused {
 namespace {
@@ -46,7 +48,9 @@ void launch_rope(const RopeGeometry& g, const RopeOptions& o, const at::Tensor& 
     for (int64_t s : rope_strides(*tensor, g.format)) a.i64(s);
   a.i32(o.cp_size).i32(o.cp_rank).i32(flags);
 
-  std::string key = std::string("dtype=") + dtype_name(x.scalar_type()) + ",interleaved=" +
+  // Config (warps, blocks) from the table of the device's architecture (aot/configs/sm<arch>.json); one bucket.
+  const KernelConfig& cfg = kernel_config("rope_kernel", "all", device_capability(x.get_device()), g.rows);
+  std::string key = std::string("cfg=") + cfg.cfg + ",dtype=" + dtype_name(x.scalar_type()) + ",interleaved=" +
                     (o.interleaved ? "1" : "0") + ",second=" + (second ? "1" : "0") + ",thd=" + (thd ? "1" : "0");
   launch_on_current_stream("rope_kernel", key, a, Grid{static_cast<uint32_t>(g.rows), 1, 1}, x);
 }

@@ -1,8 +1,8 @@
 // CUDA core of the routed GEMM ops: routing and launchers of the AOT-compiled kernels (kernels/GEMM.md).
 //
 // Variant keys are built here exactly as aot/manifest.py's Variant.key_str ("name=value" pairs sorted by name). The
-// tile sizes are part of the keys, so the grids computed below cannot silently disagree with the compiled kernels:
-// a drift makes the launch fail with "no compiled variant ... for <key>".
+// block config is part of the keys ("cfg=128x256x64_g8_w8_s3") and the grids are computed from the same table entry,
+// so a grid cannot silently disagree with the compiled kernel: a drift fails with "no compiled variant ... for <key>".
 #include "ops/routed_gemm.h"
 
 
@@ -14,6 +14,7 @@
 #include <map>
 
 #include "ops/torch_launch.h"
+#include "runtime/kernel_configs.h"
 #include "runtime/launcher.h"
 
 namespace fused {
@@ -38,87 +39,36 @@ Grid grid(int64_t x, int64_t y = 1) {
   return Grid{static_cast<uint32_t>(x), static_cast<uint32_t>(y), 1};
 }
 
-// ---- tiles: must match GEMM_TILES in aot/manifest.py (they are part of the variant keys) ----
-struct Tile {
-  int64_t a, b, c;  // BM x BN x BK (grad-weight: BN x BK x BR)
-  std::string str() const { return std::to_string(a) + "x" + std::to_string(b) + "x" + std::to_string(c); }
-};
-enum class Family { kHalf, kTf32, kIeee };
-
-Family family(const Gemm& g) {
-  if (g.dt != "fp32") return Family::kHalf;
-  return g.prec == "tf32" ? Family::kTf32 : Family::kIeee;
+// ---- block configs: the bucket table generated from aot/configs/sm<arch>.json (runtime/kernel_configs.h). The grid
+// is computed from the same entry whose "cfg=" goes into the key.
+const char* family(const Gemm& g) {
+  if (g.dt != "fp32") return "half";
+  return g.prec == "tf32" ? "tf32" : "ieee";
 }
-Tile linear_tile(const Gemm& g) {
-  switch (family(g)) {
-    case Family::kHalf: return {128, 128, 64};
-    case Family::kTf32: return {128, 128, 32};
-    default: return {64, 64, 32};
-  }
-}
-Tile swiglu_tile(const Gemm& g) {
-  switch (family(g)) {
-    case Family::kHalf: return {128, 64, 64};
-    case Family::kTf32: return {128, 64, 32};
-    default: return {64, 64, 32};
-  }
-}
-Tile grad_weight_tile(const Gemm& g) {
-  switch (family(g)) {
-    case Family::kHalf: return {128, 128, 64};
-    case Family::kTf32: return {128, 128, 64};
-    default: return {64, 64, 32};
-  }
-}
-// Decoding (M <= kDecodeRows, bf16/fp16): narrower TMA tiles, so that more CTAs stream the weights (aot/tune.py on
-// the H100, M=16: down projection 0.084 ms instead of 0.112, gate/up 0.146 instead of 0.157).
-constexpr int64_t kDecodeRows = 64;
-bool decode_tiles(const Gemm& g, const Routing& r) { return r.M <= kDecodeRows && family(g) == Family::kHalf; }
-constexpr Tile kDecodeTile{128, 64, 64};
-
-Tile linear_tma_tile(const Gemm& g) {
-  switch (family(g)) {
-    case Family::kHalf: return {128, 256, 64};
-    case Family::kTf32: return {128, 128, 32};
-    default: return {64, 64, 32};
-  }
-}
-std::optional<Tile> swiglu_tma_tile(const Gemm& g) {
-  switch (family(g)) {
-    case Family::kHalf: return Tile{128, 128, 64};
-    case Family::kTf32: return Tile{128, 64, 32};
-    default: return std::nullopt;  // no fp32-ieee TMA swiglu
-  }
+const KernelConfig& config(const Gemm& g, const char* kernel, int64_t m) {
+  return kernel_config(kernel, family(g), g.cc, m);
 }
 
-std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, bool bias) {
+std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, bool bias, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"scatter", flag(scatter)},
-                   {"wt", flag(wt)}, {"bias", flag(bias)}, {"tile", linear_tile(g).str()}});
+                   {"wt", flag(wt)}, {"bias", flag(bias)}, {"cfg", c.cfg}});
 }
-std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, bool bias, const Tile& t) {
+std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, bool bias, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", flag(scatter)}, {"wt", flag(wt)},
-                   {"bias", flag(bias)}, {"tile", t.str()}});
+                   {"bias", flag(bias)}, {"cfg", c.cfg}});
 }
-std::string swiglu_key(const Gemm& g) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", "1"}, {"scatter", "0"},
-                   {"tile", swiglu_tile(g).str()}});
+std::string swiglu_key(const Gemm& g, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", "1"}, {"scatter", "0"}, {"cfg", c.cfg}});
 }
-std::string swiglu_tma_key(const Gemm& g, const Tile& t) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", "0"}, {"tile", t.str()}});
+std::string swiglu_tma_key(const Gemm& g, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", "0"}, {"cfg", c.cfg}});
 }
-Tile grad_weight_tma_tile(const Gemm& g) {
-  switch (family(g)) {
-    case Family::kHalf: return {128, 256, 64};
-    case Family::kTf32: return {128, 128, 32};
-    default: return {64, 64, 32};
-  }
+std::string grad_weight_tma_key(const Gemm& g, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
 }
-std::string grad_weight_tma_key(const Gemm& g) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"tile", grad_weight_tma_tile(g).str()}});
-}
-std::string grad_weight_key(const Gemm& g, bool gather, bool dbias) {
+std::string grad_weight_key(const Gemm& g, bool gather, bool dbias, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"dbias", flag(dbias)},
-                   {"tile", grad_weight_tile(g).str()}});
+                   {"cfg", c.cfg}});
 }
 
 // Internal invariants of a row operand (the ops guarantee them; a failure is a bug here, not a user error).
@@ -203,11 +153,11 @@ bool Gemm::tma_usable(std::initializer_list<int64_t> dims, bool swiglu) const {
   const int64_t es = c10::elementSize(dtype);
   for (int64_t d : dims)
     if (d <= 0 || (d * es) % 16 != 0) return false;  // TMA: non-innermost strides are multiples of 16 bytes
-  if (!has_variant("routed_linear_tma_kernel", linear_tma_key(*this, true, false, false, linear_tma_tile(*this))))
+  // The sm_90 table lists the TMA kernels (aot/configs/sm90.json); a build without them has no such entries.
+  if (!find_config("routed_linear_tma_kernel", family(*this), cc, 0) ||
+      !find_config("routed_grad_weight_tma_kernel", family(*this), cc, 0))
     return false;
-  if (swiglu && (!swiglu_tma_tile(*this) ||
-                 !has_variant("routed_swiglu_tma_kernel", swiglu_tma_key(*this, *swiglu_tma_tile(*this)))))
-    return false;
+  if (swiglu && !find_config("routed_swiglu_tma_kernel", family(*this), cc, 0)) return false;  // none for fp32-ieee
   return true;
 }
 
@@ -295,26 +245,24 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   KernelArgs args;
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a);
-    // Decode tiles serve the scattered, non-transposed GEMMs (linear_dual forward, ffn down projection).
-    const bool decode = decode_tiles(g, r) && !out.expert_ordered && !w_transposed;
-    const Tile t = decode ? kDecodeTile : linear_tma_tile(g);
+    const KernelConfig& c = config(g, "routed_linear_tma_kernel", r.M);
     const Experts::Stacked& st = w.stacked();
     args.tensor(ap.data_ptr(), {ap.size(0), k}, {ap.stride(0), 1})
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
         .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(n).i32(k).i32(out.t.stride(0));
-    const int64_t tiles = (r.M_pad / t.a) * cdiv(n, t.b);  // persistent: any grid >= 1 covers every tile
+    const int64_t tiles = (r.M_pad / c.block[0]) * cdiv(n, c.block[1]);  // persistent: any grid >= 1 covers all
     launch_on_current_stream("routed_linear_tma_kernel",
-                             linear_tma_key(g, !out.expert_ordered, w_transposed, has_bias, t),
+                             linear_tma_key(g, !out.expert_ordered, w_transposed, has_bias, c),
                              args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
   } else {
-    const Tile t = linear_tile(g);
+    const KernelConfig& c = config(g, "routed_linear_kernel", r.M);
     args.ptr(a.t.data_ptr()).ptr(w.w0().data_ptr()).ptr(w.w1().data_ptr()).ptr(b0).ptr(b1).ptr(out.t.data_ptr())
         .ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(w.ld()).i32(out.t.stride(0));
     launch_on_current_stream("routed_linear_kernel",
-                             linear_key(g, !a.expert_ordered, !out.expert_ordered, w_transposed, has_bias), args,
-                             grid((r.M_pad / t.a) * cdiv(n, t.b)), out.t);
+                             linear_key(g, !a.expert_ordered, !out.expert_ordered, w_transposed, has_bias, c), args,
+                             grid((r.M_pad / c.block[0]) * cdiv(n, c.block[1])), out.t);
   }
 }
 
@@ -326,7 +274,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
   KernelArgs args;
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a);
-    const Tile t = decode_tiles(g, r) ? kDecodeTile : *swiglu_tma_tile(g);
+    const KernelConfig& c = config(g, "routed_swiglu_tma_kernel", r.M);
     const Experts::Stacked& s1 = w1.stacked();
     const Experts::Stacked& s3 = w3.stacked();
     args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
@@ -334,8 +282,8 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
         .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
         .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(I).i32(H).i32(h.stride(0));
-    const int64_t tiles = (r.M_pad / t.a) * cdiv(I, t.b);
-    launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g, t), args,
+    const int64_t tiles = (r.M_pad / c.block[0]) * cdiv(I, c.block[1]);
+    launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g, c), args,
                              grid(std::min<int64_t>(g.sms, tiles)), h);
   } else {
     TORCH_INTERNAL_ASSERT(!a.expert_ordered, "routed GEMM: the pointer swiglu is compiled for token-order x only");
@@ -343,11 +291,12 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
       w1.make_contiguous();
       w3.make_contiguous();
     }
-    const Tile t = swiglu_tile(g);
+    const KernelConfig& c = config(g, "routed_swiglu_kernel", r.M);
     args.ptr(a.t.data_ptr()).ptr(w1.w0().data_ptr()).ptr(w1.w1().data_ptr()).ptr(w3.w0().data_ptr())
         .ptr(w3.w1().data_ptr()).ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(w1.ld()).i32(h.stride(0));
-    launch_on_current_stream("routed_swiglu_kernel", swiglu_key(g), args, grid((r.M_pad / t.a) * cdiv(I, t.b)), h);
+    launch_on_current_stream("routed_swiglu_kernel", swiglu_key(g, c), args,
+                             grid((r.M_pad / c.block[0]) * cdiv(I, c.block[1])), h);
   }
 }
 
@@ -366,12 +315,12 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
   KernelArgs args;
   if (tma) {
     TORCH_INTERNAL_ASSERT(dy.expert_ordered, "routed GEMM: the TMA grad-weight takes expert-ordered buffers");
-    const Tile t = grad_weight_tma_tile(g);  // BN x BK x BR
+    const KernelConfig& c = config(g, "routed_grad_weight_tma_kernel", r.M);  // block: BN x BK x BR
     args.tensor(dy.t.data_ptr(), {r.M_pad, N}, {dy.t.stride(0), 1})
         .tensor(x.t.data_ptr(), {r.M_pad, K}, {x.t.stride(0), 1})
         .ptr(r.seg.data_ptr()).ptr(dw0.data_ptr()).ptr(w1.data_ptr()).i32(N).i32(K).i32(dw0.stride(0));
-    const int64_t per_e = cdiv(N, t.a) * cdiv(K, t.b);
-    launch_on_current_stream("routed_grad_weight_tma_kernel", grad_weight_tma_key(g), args,
+    const int64_t per_e = cdiv(N, c.block[0]) * cdiv(K, c.block[1]);
+    launch_on_current_stream("routed_grad_weight_tma_kernel", grad_weight_tma_key(g, c), args,
                              grid((r.single ? 1 : 2) * per_e), dw0);
     if (dbias) {
       // db_e = dYᵀ · (indicator of expert e's rows): a GEMV per expert, accumulated in fp32 by cuBLAS. Padding rows
@@ -384,14 +333,14 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
     }
     return;
   }
-  const Tile t = grad_weight_tile(g);
+  const KernelConfig& c = config(g, "routed_grad_weight_kernel", r.M);  // block: BN x BK x BR
   args.ptr(dy.t.data_ptr()).ptr(x.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
       .ptr(dw0.data_ptr()).ptr(w1.data_ptr())
       .ptr(dbias ? db0.data_ptr() : r.perm.data_ptr()).ptr(dbias ? b1.data_ptr() : r.perm.data_ptr())
       .i32(N).i32(K).i32(dy.t.stride(0)).i32(x.t.stride(0)).i32(dw0.stride(0));
   // Programs [0, per_e) are expert 0, [per_e, 2 per_e) expert 1: a single-expert routing launches only the first half.
-  const int64_t per_e = cdiv(N, t.a) * cdiv(K, t.b);
-  launch_on_current_stream("routed_grad_weight_kernel", grad_weight_key(g, !dy.expert_ordered, dbias), args,
+  const int64_t per_e = cdiv(N, c.block[0]) * cdiv(K, c.block[1]);
+  launch_on_current_stream("routed_grad_weight_kernel", grad_weight_key(g, !dy.expert_ordered, dbias, c), args,
                            grid((r.single ? 1 : 2) * per_e), dw0);
 }
 

@@ -37,5 +37,14 @@ def built_archs() -> str:
     return _torch.ops.fused.built_archs()
 
 
+def kernel_config(kernel: str, family: str, m: int, cc: int = 90) -> str:
+    """The block config the launchers pick for ``kernel`` (a Triton kernel name such as ``routed_linear_tma_kernel``),
+    ``family`` (``half`` for bf16/fp16, ``tf32``, ``ieee``; ``all`` for ``rope_kernel``) and ``m`` rows on a GPU of
+    compute capability ``cc``, e.g. ``128x256x64_g8_w8_s3`` (BLOCK sizes, GROUP, warps, stages). The tables are
+    ``aot/configs/sm<arch>.json``, compiled into the build; re-tune with ``python -m aot.tune`` (docs/perf.md)."""
+    return _torch.ops.fused.kernel_config(kernel, family, cc, m)
+
+
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "linear_dual", "DualLinear",
-           "ffn", "FusedSwiGLU", "DualExpertSwiGLU", "set_sync_checks", "built_archs", "library_path"]
+           "ffn", "FusedSwiGLU", "DualExpertSwiGLU", "set_sync_checks", "built_archs", "kernel_config",
+           "library_path"]

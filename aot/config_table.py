@@ -1,0 +1,152 @@
+"""Kernel config tables: which block configs the AOT step compiles, and which one the runtime picks per shape bucket.
+
+One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
+
+    {"arch": 90, "origin": "how the table was made",
+     "kernels": {"routed_linear_tma_kernel": {"half": [{"max_m": 64, "block": [128, 64, 64], "group": 8,
+                                                         "warps": 4, "stages": 4},
+                                                        {"block": [128, 256, 64], "group": 8, "warps": 8,
+                                                         "stages": 3}], ...}, ...}}
+
+* kernel: a `@triton.jit` name of kernels/ (KERNELS below says which are configurable and what `block` means).
+* family: "half" (bf16 and fp16: same MMA shapes), "tf32" (fp32 with TF32 allowed), "ieee" (exact fp32); RoPE has
+  one family, "all".
+* buckets, in increasing `max_m`; the last has none (no upper bound). `m` is the number of token rows of the call
+  (the reduction length for the grad-weight kernels); the runtime takes the first bucket with m <= max_m.
+* `block`, `group` (GROUP_M / GROUP_N), `warps`, `stages`: the meta-parameters compiled in. An optional `why` says
+  where a value comes from.
+
+aot/manifest.py compiles every distinct config of every table (a variant per config, for the architectures whose
+table lists it); aot/compile.py writes the buckets into the generated C++ table, and csrc/runtime/kernel_configs.cpp
+looks them up at run time (the table of the architecture whose cubin the device runs). `python -m aot.tune --write`
+rewrites a table from measurements.
+"""
+import json
+import os
+from typing import Dict, List
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+ROUTING_ALIGN = 128  # kernels/routing.py ALIGN: expert segments start at multiples of it
+
+# kernel -> (families it has, meaning of block, whether it is TMA (sm_90 only), index of block that must divide
+# ROUTING_ALIGN (the row tile), or None)
+KERNELS = {
+    "rope_kernel": (("all", ), "BLOCK_H x BLOCK_HALF x BLOCK_B", False, None),
+    "routed_linear_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", False, 0),
+    "routed_swiglu_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", False, 0),
+    "routed_grad_weight_kernel": (("half", "tf32", "ieee"), "BLOCK_N x BLOCK_K x BLOCK_R", False, 2),
+    "routed_linear_tma_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
+    "routed_swiglu_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
+    "routed_grad_weight_tma_kernel": (("half", "tf32", "ieee"), "BLOCK_N x BLOCK_K x BLOCK_R", True, 2),
+}
+_ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "why"}
+
+
+def family(dtype: str, prec: str) -> str:
+    """'half' for bf16/fp16, else the fp32 precision ('tf32' or 'ieee')."""
+    return "half" if dtype in ("bf16", "fp16") else prec
+
+
+def cfg_str(entry: Dict) -> str:
+    """The config as it appears in variant keys ("cfg=128x256x64_g8_w8_s3")."""
+    s = "x".join(str(b) for b in entry["block"])
+    if "group" in entry:
+        s += f"_g{entry['group']}"
+    return s + f"_w{entry['warps']}_s{entry['stages']}"
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and v > 0 and (v & (v - 1)) == 0
+
+
+def validate(table: Dict, where: str = "config table") -> Dict:
+    """Checks a table's structure and the constraints the kernels and launchers rely on; raises ValueError."""
+    def fail(msg):
+        raise ValueError(f"{where}: {msg}")
+
+    if not isinstance(table.get("arch"), int):
+        fail("'arch' must be an integer such as 90")
+    kernels = table.get("kernels")
+    if not isinstance(kernels, dict) or not kernels:
+        fail("'kernels' must be a non-empty object")
+    for name, fams in kernels.items():
+        if name not in KERNELS:
+            fail(f"unknown kernel {name!r} (configurable: {', '.join(KERNELS)})")
+        allowed, _, tma, row_idx = KERNELS[name]
+        if tma and table["arch"] != 90:
+            fail(f"{name} is a Hopper TMA kernel: only an sm_90 table may list it")
+        for fam, buckets in fams.items():
+            if fam not in allowed:
+                fail(f"{name}: unknown family {fam!r} (expected one of {allowed})")
+            if not isinstance(buckets, list) or not buckets:
+                fail(f"{name}/{fam}: needs a non-empty list of buckets")
+            last = 0
+            for i, e in enumerate(buckets):
+                at = f"{name}/{fam}[{i}]"
+                extra = set(e) - _ENTRY_FIELDS
+                if extra:
+                    fail(f"{at}: unknown fields {sorted(extra)}")
+                blk = e.get("block")
+                if not (isinstance(blk, list) and len(blk) == 3 and all(_pow2(b) for b in blk)):
+                    fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
+                if row_idx is not None and ROUTING_ALIGN % blk[row_idx] != 0:
+                    fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
+                if e.get("warps") not in (1, 2, 4, 8, 16):
+                    fail(f"{at}: 'warps' must be 1, 2, 4, 8 or 16, got {e.get('warps')!r}")
+                if not (isinstance(e.get("stages"), int) and 1 <= e["stages"] <= 8):
+                    fail(f"{at}: 'stages' must be an integer in [1, 8], got {e.get('stages')!r}")
+                if name != "rope_kernel" and not (isinstance(e.get("group"), int) and e["group"] >= 1):
+                    fail(f"{at}: 'group' (GROUP_M / GROUP_N) must be a positive integer")
+                if i + 1 < len(buckets):
+                    m = e.get("max_m")
+                    if not (isinstance(m, int) and m > last):
+                        fail(f"{at}: every bucket but the last needs an integer 'max_m' above the previous one")
+                    last = m
+                elif "max_m" in e:
+                    fail(f"{at}: the last bucket takes every larger m and must not have 'max_m'")
+    return table
+
+
+def path(arch: int) -> str:
+    return os.path.join(CONFIG_DIR, f"sm{arch}.json")
+
+
+def load(arch: int) -> Dict:
+    p = path(arch)
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"no kernel config table for sm_{arch}: expected {p} (copy one of "
+                                f"{sorted(os.listdir(CONFIG_DIR))} and re-tune with `python -m aot.tune --write {p}`)")
+    with open(p) as f:
+        return validate(json.load(f), p)
+
+
+def buckets(table: Dict, kernel: str, fam: str) -> List[Dict]:
+    return table["kernels"].get(kernel, {}).get(fam, [])
+
+
+def pick(table: Dict, kernel: str, fam: str, m: int) -> Dict:
+    """The bucket the runtime takes for m rows (what csrc/runtime/kernel_configs.cpp does)."""
+    for e in buckets(table, kernel, fam):
+        if "max_m" not in e or m <= e["max_m"]:
+            return e
+    raise KeyError(f"sm_{table['arch']} table has no config for {kernel}/{fam}")
+
+
+def dumps(table: Dict) -> str:
+    """JSON with one bucket per line (readable diffs when a re-tune changes a table)."""
+    lines = ["{", f' "arch": {table["arch"]},', f' "origin": {json.dumps(table.get("origin", ""))},', ' "kernels": {']
+    kernels = list(table["kernels"].items())
+    for ki, (name, fams) in enumerate(kernels):
+        lines.append(f'  "{name}": {{')
+        items = list(fams.items())
+        for fi, (fam, bks) in enumerate(items):
+            lines.append(f'   "{fam}": [')
+            for bi, e in enumerate(bks):
+                order = [k for k in ("max_m", "block", "group", "warps", "stages", "why") if k in e]
+                body = ", ".join(f'"{k}": {json.dumps(e[k])}' for k in order)
+                lines.append(f"    {{{body}}}" + ("," if bi + 1 < len(bks) else ""))
+            lines.append("   ]" + ("," if fi + 1 < len(items) else ""))
+        lines.append("  }" + ("," if ki + 1 < len(kernels) else ""))
+    lines += [" }", "}", ""]
+    return "\n".join(lines)

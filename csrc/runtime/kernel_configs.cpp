@@ -1,0 +1,63 @@
+#include "runtime/kernel_configs.h"
+
+#include <stdexcept>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace fused {
+namespace {
+
+struct Slot {  // views of the table's own string literals: lookups allocate nothing
+  std::string_view kernel, family;
+  int arch;
+  bool operator==(const Slot& o) const { return arch == o.arch && kernel == o.kernel && family == o.family; }
+};
+struct SlotHash {
+  size_t operator()(const Slot& s) const {
+    return std::hash<std::string_view>()(s.kernel) * 31 + std::hash<std::string_view>()(s.family) * 7 + s.arch;
+  }
+};
+using Index = std::unordered_map<Slot, std::vector<const KernelConfig*>, SlotHash>;
+
+const Index& index() {
+  static const Index* idx = [] {  // thread-safe one-time build (a few dozen rows)
+    auto* m = new Index();
+    for (size_t i = 0; i < kNumConfigs; ++i)
+      (*m)[Slot{kConfigs[i].kernel, kConfigs[i].family, kConfigs[i].arch}].push_back(&kConfigs[i]);
+    return m;
+  }();
+  return *idx;
+}
+
+}  // namespace
+
+int table_arch(int cc) {
+  int same_major = -1;
+  for (size_t i = 0; i < kNumArchs; ++i)
+    if (kArchs[i] / 10 == cc / 10 && kArchs[i] <= cc && kArchs[i] > same_major) same_major = kArchs[i];
+  if (same_major >= 0) return same_major;
+  return (kNumArchs > 0 && kArchs[0] <= cc) ? kArchs[0] : -1;
+}
+
+const KernelConfig* find_config(const char* kernel, const char* family, int cc, int64_t m) {
+  const int arch = table_arch(cc);
+  if (arch < 0) return nullptr;
+  auto it = index().find(Slot{kernel, family, arch});
+  if (it == index().end()) return nullptr;
+  for (const KernelConfig* c : it->second)
+    if (c->max_m < 0 || m <= c->max_m) return c;
+  return nullptr;  // unreachable for a validated table (its last bucket has no bound)
+}
+
+const KernelConfig& kernel_config(const char* kernel, const char* family, int cc, int64_t m) {
+  if (const KernelConfig* c = find_config(kernel, family, cc, m)) return *c;
+  const int arch = table_arch(cc);
+  throw std::invalid_argument(
+      std::string("fused: no kernel config for ") + kernel + " (" + family + ") on a device of compute capability " +
+      std::to_string(cc) + (arch < 0 ? std::string(" (no built architecture runs on it)")
+                                     : " (table of sm_" + std::to_string(arch) + ")") +
+      "; this build holds " + kBuiltArchs + ". The tables are aot/configs/sm<arch>.json.");
+}
+
+}  // namespace fused

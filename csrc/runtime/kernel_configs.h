@@ -1,0 +1,24 @@
+// Run-time choice of a kernel's block config: a lookup in the bucket table that aot/compile.py generates from
+// aot/configs/sm<arch>.json. Framework-free. The cost is one hash lookup and a scan of a few buckets (no search,
+// no allocation): see docs/perf.md "Kernel configs".
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "runtime/kernel_table.h"
+
+namespace fused {
+
+// The architecture whose cubins (and so whose config table) a device of compute capability `cc` runs, mirroring
+// the launcher's image choice: the highest built architecture of the same major version not above cc, else the
+// lowest built one if not above cc (its PTX), else -1 (no image can run).
+int table_arch(int cc);
+
+// The bucket of (kernel, family) for m rows on a device of compute capability cc; nullptr when the table of that
+// architecture has no such entry (e.g. a TMA kernel off sm_90, or a family the kernel lacks).
+const KernelConfig* find_config(const char* kernel, const char* family, int cc, int64_t m);
+
+// The same, but a missing entry throws std::invalid_argument naming the kernel, family and architecture.
+const KernelConfig& kernel_config(const char* kernel, const char* family, int cc, int64_t m);
+
+}  // namespace fused

@@ -1,0 +1,142 @@
+"""The kernel config tables (aot/configs/sm<arch>.json): their checks, what the AOT manifest compiles from them, and
+that the C++ runtime picks the same bucket as the table says (no GPU needed: the lookup takes the compute capability
+as an argument). Every shipped config is also run under the Triton interpreter (tests/test_gemm_interp.py,
+tests/test_rope_interp.py)."""
+import copy
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import fused_ops  # noqa: E402
+from aot import config_table as ct  # noqa: E402
+from aot import manifest  # noqa: E402
+
+TABLES = {arch: ct.load(arch) for arch in manifest.ARCHS}
+MS = [0, 1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 1024, 1025, 4096, 4097, 16384, 16385, 1 << 22]
+
+
+def test_shipped_tables_are_valid_and_canonical():
+    for arch, table in TABLES.items():
+        assert table["arch"] == arch
+        assert table["origin"], f"sm_{arch}: say how the table was made"
+        with open(ct.path(arch)) as f:  # the format `python -m aot.tune --write` produces: clean diffs on re-tune
+            assert f.read() == ct.dumps(table), f"{ct.path(arch)} is not in canonical form (ct.dumps)"
+        assert json.loads(ct.dumps(table)) == table
+
+
+def test_every_table_covers_every_launched_kernel_and_family():
+    pointer = ["routed_linear_kernel", "routed_swiglu_kernel", "routed_grad_weight_kernel"]
+    for arch, table in TABLES.items():
+        assert ct.buckets(table, "rope_kernel", "all")
+        for k in pointer + (["routed_linear_tma_kernel", "routed_grad_weight_tma_kernel"] if arch == 90 else []):
+            for fam in ("half", "tf32", "ieee"):
+                assert ct.buckets(table, k, fam), f"sm_{arch}: no {k}/{fam}"
+        if arch == 90:
+            assert ct.buckets(table, "routed_swiglu_tma_kernel", "half")
+
+
+def _bad(mutate):
+    t = copy.deepcopy(TABLES[90])
+    mutate(t)
+    return t
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda t: t["kernels"].update(nope_kernel={"half": []}), "unknown kernel 'nope_kernel'"),
+    (lambda t: t["kernels"]["routed_linear_kernel"].update(fp8=t["kernels"]["routed_linear_kernel"]["half"]),
+     "unknown family 'fp8'"),
+    (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(block=[96, 128, 64]), "3 powers of two"),
+    (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(block=[256, 128, 64]),
+     "must divide the routing alignment 128"),
+    (lambda t: t["kernels"]["routed_grad_weight_kernel"]["half"][0].update(block=[128, 128, 256]),
+     "block[2] = 256 must divide"),
+    (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(warps=3), "'warps' must be"),
+    (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(stages=0), "'stages' must be"),
+    (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(max_m=64), "the last bucket"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].pop("max_m"), "needs an integer 'max_m'"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"].insert(1, dict(
+        t["kernels"]["routed_linear_tma_kernel"]["half"][0], max_m=32)), "above the previous one"),
+    (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(tile=[1]), "unknown fields ['tile']"),
+    (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].pop("group"), "'group'"),
+    (lambda t: t["kernels"].clear(), "'kernels' must be a non-empty object"),
+])
+def test_validate_rejects_bad_tables(mutate, message):
+    with pytest.raises(ValueError, match=None) as e:
+        ct.validate(_bad(mutate), "t.json")
+    assert message in str(e.value) and "t.json" in str(e.value)
+
+
+def test_tma_kernels_only_in_the_sm90_table():
+    t = copy.deepcopy(TABLES[80])
+    t["kernels"]["routed_linear_tma_kernel"] = TABLES[90]["kernels"]["routed_linear_tma_kernel"]
+    with pytest.raises(ValueError, match="only an sm_90 table"):
+        ct.validate(t)
+
+
+def test_missing_table_names_the_file():
+    with pytest.raises(FileNotFoundError, match="sm100.json"):
+        ct.load(100)
+
+
+def test_manifest_compiles_every_config_for_its_architectures():
+    variants = manifest.variants()
+    compiled = {}
+    for v in variants:
+        if "cfg" in v.key:
+            compiled.setdefault((v.name, v.key["cfg"]), set()).update(v.archs)
+    for arch, table in TABLES.items():
+        for kernel, fams in table["kernels"].items():
+            for fam, buckets in fams.items():
+                for e in buckets:
+                    archs = compiled.get((kernel, ct.cfg_str(e)), set())
+                    assert arch in archs, f"sm_{arch} {kernel}/{fam} {ct.cfg_str(e)} is not compiled"
+    # and nothing is compiled for an architecture whose table does not list it
+    for (kernel, cfg), archs in compiled.items():
+        for arch in archs:
+            listed = {ct.cfg_str(e) for fams in [TABLES[arch]["kernels"].get(kernel, {})] for b in fams.values()
+                      for e in b}
+            assert cfg in listed, f"{kernel} {cfg} compiled for sm_{arch} but not in its table"
+
+
+def test_variant_meta_matches_its_config():
+    for v in manifest.variants():
+        if "cfg" not in v.key:
+            continue
+        cfg = v.key["cfg"]
+        assert cfg.endswith(f"_w{v.num_warps}_s{v.num_stages}")
+        names = ("BLOCK_N", "BLOCK_K", "BLOCK_R") if "grad_weight" in v.name else (
+            ("BLOCK_H", "BLOCK_HALF", "BLOCK_B") if v.name == "rope_kernel" else ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        assert cfg.startswith("x".join(str(v.meta[n]) for n in names))
+
+
+# Compute capabilities and the table their cubins come from (the launcher's image choice): same major and not above,
+# else the lowest built architecture's PTX.
+CC_TABLE = {80: 80, 86: 80, 87: 80, 89: 89, 90: 90, 100: 80, 120: 80}
+
+
+@pytest.mark.parametrize("cc", sorted(CC_TABLE))
+def test_runtime_lookup_matches_the_tables(cc):
+    """torch.ops.fused.kernel_config (the launchers' lookup) == aot.config_table.pick for every bucket edge."""
+    if fused_ops.built_archs() != "sm_80, sm_89, sm_90 (+PTX sm_80)":
+        pytest.skip(f"the build holds {fused_ops.built_archs()}, not the default FUSED_ARCHS")
+    table = TABLES[CC_TABLE[cc]]
+    for kernel, fams in table["kernels"].items():
+        for fam in fams:
+            for m in MS:
+                assert fused_ops.kernel_config(kernel, fam, m, cc) == ct.cfg_str(ct.pick(table, kernel, fam, m)), \
+                    (kernel, fam, m, cc)
+
+
+def test_runtime_lookup_errors_name_what_is_missing():
+    with pytest.raises((ValueError, RuntimeError), match="routed_linear_tma_kernel .*half.* sm_80"):
+        fused_ops.kernel_config("routed_linear_tma_kernel", "half", 16, 86)  # no TMA kernels off sm_90
+    with pytest.raises((ValueError, RuntimeError), match="routed_swiglu_tma_kernel .*ieee"):
+        fused_ops.kernel_config("routed_swiglu_tma_kernel", "ieee", 16, 90)  # no exact-fp32 TMA swiglu
+    with pytest.raises((ValueError, RuntimeError), match="no built architecture runs on it"):
+        fused_ops.kernel_config("rope_kernel", "all", 1, 75)

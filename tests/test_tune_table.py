@@ -1,0 +1,76 @@
+"""aot/tune.py's bookkeeping without a GPU: resuming from a result file, choosing winners per m, merging buckets and
+writing a valid table (the measuring itself runs on the GPU machine: scripts/gpu_job.sh step `tune`)."""
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from aot import config_table as ct  # noqa: E402
+from aot import tune  # noqa: E402
+
+K = "routed_linear_tma_kernel"
+A, B, C = "128x256x64_g8_w8_s3", "128x64x64_g8_w4_s4", "64x64x128_g8_w4_s4"
+
+
+def _rec(m, n, cfg, ms, kernel=K, dev="GPU X"):
+    return {"device": dev, "cc": 90, "kernel": kernel, "family": "half", "op": "linear",
+            "shape": f"M{m}_N{n}_K4096", "m": m, "n": n, "k": 4096, "config": cfg, "ms": ms, "err": 1e-3}
+
+
+def _done(recs):
+    return {(r["kernel"], r["shape"], r["config"]): r for r in recs}
+
+
+def test_winner_is_the_best_geometric_mean_over_shapes():
+    # m=16: B is 2x faster on one shape and 10% slower on the other: geomean ratio sqrt(1.1) vs A's sqrt(2)
+    recs = [_rec(16, 4096, A, 2.0), _rec(16, 4096, B, 1.0), _rec(16, 11008, A, 1.0), _rec(16, 11008, B, 1.1),
+            _rec(16, 4096, "cuBLAS", 0.1)]
+    w = tune.winners(_done(recs), K, [16])
+    assert w[16][0] == B and w[16][1] == pytest.approx(1.1 ** 0.5)
+
+
+def test_failed_or_wrong_configs_never_win():
+    recs = [_rec(16, 4096, A, 2.0), _rec(16, 4096, B, None), _rec(16, 4096, C, 3.0),
+            _rec(16, 11008, A, 1.0), _rec(16, 11008, B, 0.1), _rec(16, 11008, C, 1.5)]
+    assert tune.winners(_done(recs), K, [16])[16][0] == A  # B failed on one shape; C is slower overall
+
+
+def test_buckets_merge_and_the_last_is_open(tmp_path):
+    recs = []
+    for m, best in ((1, B), (16, B), (64, C), (256, A), (4096, A)):
+        for cfg in (A, B, C):
+            recs.append(_rec(m, 4096, cfg, 1.0 if cfg == best else 2.0))
+    out = tmp_path / "sm90.json"
+    table = ct.load(90)
+    new = tune.write_table(str(out), table, _done(recs), ["linear"], [1, 16, 64, 256, 4096], 90, "GPU X", ["--x"])
+    b = new["kernels"][K]["half"]
+    assert [(e.get("max_m"), ct.cfg_str(e)) for e in b] == [(16, B), (64, C), (None, A)]
+    assert json.loads(out.read_text()) == ct.validate(json.loads(out.read_text()))
+    # what was not measured is kept
+    assert new["kernels"]["routed_linear_tma_kernel"]["tf32"] == table["kernels"]["routed_linear_tma_kernel"]["tf32"]
+    assert new["kernels"]["routed_swiglu_tma_kernel"] == table["kernels"]["routed_swiglu_tma_kernel"]
+    assert "GPU X" in new["origin"]
+
+
+def test_results_resume_per_device(tmp_path):
+    f = tmp_path / "r.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [_rec(16, 4096, A, 1.0), _rec(16, 4096, B, 2.0, dev="GPU Y")]))
+    done = tune.load_results(str(f), "GPU X")
+    assert list(done) == [(K, "M16_N4096_K4096", A)]
+
+
+def test_candidates_include_the_tables_configs():
+    table = ct.load(90)
+    fam, cfgs = tune.candidates(K, [((64, 32, 128), 8, 4, 4)], table)
+    assert fam == "half"
+    assert set(cfgs) >= {ct.cfg_str(e) for e in ct.buckets(table, K, "half")} | {"64x32x128_g8_w4_s4"}
+
+
+def test_shapes_cover_decode_to_prefill_and_the_model_sizes():
+    s = tune.shapes("swiglu", [1, 16384], ["7b", "70b"])
+    assert s == [(1, 11008, 4096), (1, 28672, 8192), (16384, 11008, 4096), (16384, 28672, 8192)]
+    assert tune.table_arch(86) == 80 and tune.table_arch(89) == 89 and tune.table_arch(90) == 90
