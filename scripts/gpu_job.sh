@@ -230,7 +230,8 @@ has_step env && run_step env          45     0    "$JOB_LOG"              1     
 has_step liger && run_step liger        60     0    "$JOB_LOG"              1     step_liger
 has_step build && run_step build       300   120    "$OUT/build.log"        0     step_build
 echo "--- last lines of build.log:"; tail -n 25 "$OUT/build.log" 2>/dev/null
-PY="$REPO/.venv/bin/python"   # what the build step made; every later step uses it
+# what the build step made; every later step uses it (without a build step, e.g. STEPS="env tune", the machine's)
+[[ -x "$REPO/.venv/bin/python" ]] && PY="$REPO/.venv/bin/python"
 export PY
 has_step diag && run_step diag         60    60    "$OUT/job.log"          1     step_diag
 has_step repro && run_step repro        60    60    "$OUT/tests.log"        1     step_repro
