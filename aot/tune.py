@@ -20,8 +20,10 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
 * results append to --results (JSON lines), one per (kernel, shape, candidate): a killed or --budget-s-limited run
   resumes where it stopped. A progress line per measurement shows [done/total] and the elapsed time.
 * --write: per kernel and m, the candidate with the lowest geometric mean of (time / best time) over the shapes of
-  that m wins; neighbouring m with the same winner merge into one bucket (max_m = the largest m measured in it; the
+  that m wins, unless the table's current config is within 2% of it (KEEP_MARGIN: measurement noise does not churn
+  the table); neighbouring m with the same winner merge into one bucket (max_m = the largest m measured in it; the
   last bucket is open-ended). Kernels and families not measured keep their entries. The table is validated.
+  --offline redoes this from a result file without a GPU.
 """
 import argparse
 import datetime
@@ -331,7 +333,7 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc):
             break
         prob = RopeProblem(shape) if op == "rope" else Problem(op, kernel, *shape)
         for c in todo:
-            rec = {"device": device, "cc": cc, "kernel": kernel, "family": fam, "op": op, "shape": sstr,
+            rec = {"device": device, "cc": cc, "triton": triton_version(), "kernel": kernel, "family": fam, "op": op, "shape": sstr,
                    "m": prob.m, "n": prob.n, "k": prob.k, "config": c}
             try:
                 if c == "cuBLAS":
@@ -356,8 +358,12 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc):
     return done
 
 
-def winners(done, kernel, ms_list):
-    """m -> (cfg, geomean ratio, per-shape times) for the kernel's measured m (one key, None, for rope)."""
+KEEP_MARGIN = 1.02  # a challenger must beat the table's current config by 2% (geomean) to replace it: no noise churn
+
+
+def winners(done, kernel, ms_list, incumbent=None):
+    """m -> (cfg, geomean ratio, per-shape times) for the kernel's measured m (one key, None, for rope).
+    incumbent(m) -> the current table's cfg for m: kept unless the best is KEEP_MARGIN faster."""
     by_m = {}
     for (k, sstr, c), r in done.items():
         if k != kernel or c == "cuBLAS":
@@ -375,8 +381,25 @@ def winners(done, kernel, ms_list):
         score = {c: math.exp(sum(math.log(per_shape[s][c] / best[s]) for s in per_shape) / len(per_shape))
                  for c in cfgs}
         w = min(score, key=score.get)
+        cur = incumbent(m) if incumbent else None
+        if cur in score and score[cur] <= KEEP_MARGIN * score[w]:
+            w = cur
         out[m] = (w, score[w], {s: per_shape[s][w] for s in per_shape})
     return out
+
+
+def _incumbent(table, kernel, fam):
+    def cur(m):
+        try:
+            return ct.cfg_str(ct.pick(table, kernel, fam, m or 1))
+        except KeyError:
+            return None
+    return cur
+
+
+def triton_version():
+    import triton
+    return triton.__version__
 
 
 def write_table(path, table, done, ops, ms_list, cc, device, argv):
@@ -385,12 +408,14 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv):
     for op in ops:
         kernel, cands = kmap[op]
         fam, cfgs = candidates(kernel, cands, table)
-        win = winners(done, kernel, ms_list)
+        win = winners(done, kernel, ms_list, _incumbent(table, kernel, fam))
+        why = {ct.cfg_str(e): e["why"] for e in ct.buckets(table, kernel, fam) if "why" in e}
         if not win:
             print(f"[tune] {kernel}: nothing complete to write (keeping the table's entries)")
             continue
         if kernel == "rope_kernel":
-            new["kernels"].setdefault(kernel, {})[fam] = [dict(cfgs[win[None][0]])]
+            e = dict(cfgs[win[None][0]])
+            new["kernels"].setdefault(kernel, {})[fam] = [dict(e, why=why[ct.cfg_str(e)]) if ct.cfg_str(e) in why else e]
             continue
         buckets = []
         for m in sorted(win):
@@ -400,11 +425,15 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv):
             else:
                 buckets.append(dict(e, max_m=m))
         buckets[-1].pop("max_m")
+        for b in buckets:  # an unchanged config keeps its explanation
+            if ct.cfg_str(b) in why:
+                b["why"] = why[ct.cfg_str(b)]
         new["kernels"].setdefault(kernel, {})[fam] = [
-            {k: b[k] for k in ("max_m", "block", "group", "warps", "stages") if k in b} for b in buckets]
-    new["origin"] = (f"tuned on {device} by `python -m aot.tune {' '.join(argv)}` "
-                     f"({datetime.date.today().isoformat()}, triton {__import__('triton').__version__}); "
-                     "families and kernels not measured kept from the previous table")
+            {k: b[k] for k in ("max_m", "block", "group", "warps", "stages", "why") if k in b} for b in buckets]
+    tv = sorted({r.get("triton", "?") for r in done.values()})
+    new["origin"] = (f"tuned on {device} (triton {', '.join(tv)}) by `python -m aot.tune {' '.join(argv)}` "
+                     f"({datetime.date.today().isoformat()}); families and kernels not measured kept from the "
+                     "previous table")
     ct.validate(new, path)
     with open(path, "w") as f:
         f.write(ct.dumps(new))
@@ -421,7 +450,7 @@ def report(done, ops, ms_list, table, cc):
     for op in ops:
         kernel, _ = kmap[op]
         fam = "all" if kernel == "rope_kernel" else "half"
-        win = winners(done, kernel, ms_list)
+        win = winners(done, kernel, ms_list, _incumbent(table, kernel, fam))
         for (k, sstr, c), r in sorted(done.items(), key=lambda kv: (kv[0][0], kv[1].get("m") or 0, kv[0][1])):
             if k != kernel or c == "cuBLAS":
                 continue
@@ -445,11 +474,20 @@ def main():
     p.add_argument("--write", default=None, help="write the winners into this config table (aot/configs/sm<cc>.json)")
     p.add_argument("--rep", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new shapes after this many seconds")
+    p.add_argument("--offline", action="store_true",
+                   help="measure nothing: rebuild the report and --write from the --results file (no GPU needed)")
     a = p.parse_args()
-    if not torch.cuda.is_available():
+    if a.offline:
+        if not (a.results and os.path.exists(a.results)):
+            raise SystemExit("aot.tune --offline: give the --results file to read")
+        with open(a.results) as f:
+            first = json.loads(f.readline())
+        cc, device = first["cc"], first["device"]
+    elif not torch.cuda.is_available():
         raise SystemExit("aot.tune: needs a CUDA GPU (it times kernels on the local device)")
-    major, minor = torch.cuda.get_device_capability(0)
-    cc = major * 10 + minor
+    else:
+        major, minor = torch.cuda.get_device_capability(0)
+        cc, device = major * 10 + minor, torch.cuda.get_device_name(0)
     ops = [o for o in a.ops.split(",") if o]
     unknown = set(ops) - {"linear", "swiglu", "grad_weight", "rope"}
     if unknown:
@@ -461,10 +499,13 @@ def main():
     arch = table_arch(cc)
     table = ct.load(arch)
     results = a.results or f"tune_sm{cc}.jsonl"
-    done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc)
+    if a.offline:
+        done = load_results(results, device)
+    else:
+        done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc)
     report(done, ops, ms_list, table, cc)
     if a.write:
-        write_table(a.write, table, done, ops, ms_list, cc, torch.cuda.get_device_name(0), sys.argv[1:])
+        write_table(a.write, table, done, ops, ms_list, cc, device, sys.argv[1:])
 
 
 if __name__ == "__main__":

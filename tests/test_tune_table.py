@@ -74,3 +74,11 @@ def test_shapes_cover_decode_to_prefill_and_the_model_sizes():
     s = tune.shapes("swiglu", [1, 16384], ["7b", "70b"])
     assert s == [(1, 11008, 4096), (1, 28672, 8192), (16384, 11008, 4096), (16384, 28672, 8192)]
     assert tune.table_arch(86) == 80 and tune.table_arch(89) == 89 and tune.table_arch(90) == 90
+
+
+def test_the_current_config_stays_unless_clearly_beaten():
+    recs = [_rec(16, 4096, A, 1.00), _rec(16, 4096, B, 1.015), _rec(64, 4096, A, 1.0), _rec(64, 4096, B, 1.05)]
+    cur = lambda m: B  # noqa: E731  (the table's config for every m)
+    w = tune.winners(_done(recs), K, [16, 64], cur)
+    assert w[16][0] == B  # 1.5% slower than the best: noise, kept
+    assert w[64][0] == A  # 5% slower: replaced
