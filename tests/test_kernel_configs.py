@@ -61,7 +61,7 @@ def _bad(mutate):
     (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(max_m=64), "the last bucket"),
     (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].pop("max_m"), "needs an integer 'max_m'"),
     (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"].insert(1, dict(
-        t["kernels"]["routed_linear_tma_kernel"]["half"][0], max_m=32)), "above the previous one"),
+        t["kernels"]["routed_linear_tma_kernel"]["half"][0])), "above the previous one"),  # same max_m twice
     (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(tile=[1]), "unknown fields ['tile']"),
     (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].pop("group"), "'group'"),
     (lambda t: t["kernels"].clear(), "'kernels' must be a non-empty object"),
