@@ -129,6 +129,12 @@ def _gemm_variants() -> List[Variant]:
         for spec in (_aligned(args), {}):
             out.append(Variant("kernels.gemm:gather_rows_kernel", {"dtype": dt}, args, {"BLOCK_R": 32, "BLOCK_C": 128},
                                spec, 4, 1, ARCHS))
+    for dt in DTYPES:  # swiglu_backward: elementwise, in place (kernels/swiglu_backward.py); not configurable
+        args = [("gate_ptr", f"*{dt}"), ("up_ptr", f"*{dt}"), ("dh_ptr", f"*{dt}"), ("n_rows", "i32"),
+                ("n_cols", "i32"), ("stride", "i32")]
+        for spec in (_aligned(args), {}):
+            out.append(Variant("kernels.swiglu_backward:swiglu_backward_kernel", {"dtype": dt}, args,
+                               {"BLOCK_R": 16, "BLOCK_C": 256}, spec, 4, 1, ARCHS))
     for dt, prec in GEMM_UNITS:
         fam = config_table.family(dt, prec)
         p = f"*{dt}"

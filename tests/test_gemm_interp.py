@@ -404,3 +404,20 @@ def test_shipped_config(kernel, fam, block, group):
         xd, dyd = x.double(), dy.double()
         assert rel_err(dw0, (dyd * (1 - m1)).T @ xd) < tol
         assert rel_err(dw1, (dyd * m1).T @ xd) < tol
+
+
+# ------------------------------------------------------------------------------------ swiglu backward (elementwise)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_backward_in_place(dtype):
+    from kernels.swiglu_backward import launch_swiglu_backward
+    gen = torch.Generator().manual_seed(31)
+    rows, cols = 37, 300  # partial blocks in both dimensions
+    g, u, d = (rnd(gen, rows, cols, dtype=dtype) * 3 for _ in range(3))
+    gd, ud, dd = g.double(), u.double(), d.double()
+    s = torch.sigmoid(gd)
+    act = gd * s
+    ref = (act * ud, dd * act, dd * ud * s * (1 + gd * (1 - s)))  # h, d_up, d_gate
+    bufs = [g.clone(), u.clone(), d.clone()]
+    launch_swiglu_backward(*bufs, BLOCK_R=16, BLOCK_C=256)
+    for got, want in zip(bufs, ref):
+        assert rel_err(got, want) < TOL[dtype]

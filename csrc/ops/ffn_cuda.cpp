@@ -10,7 +10,7 @@
 // input that is saved anyway); recomputing gate and up instead costs two more GEMM passes in the backward (8 instead
 // of 6; forward + backward 11 instead of 9 passes of 2*M*H*I flops, ~1.2x). Then:
 //   gate = x·w1ᵀ, up = x·w3ᵀ (recomputed), dh = dy·w2  (routed_linear)
-//   h, dgate, dup from gate, up, dh                     (ATen elementwise, fp32 math: no fused kernel yet)
+//   h, dgate, dup from gate, up, dh                     (one in-place elementwise kernel, fp32 math)
 //   dw2 = dyᵀ·h, dw1 = dgateᵀ·x, dw3 = dupᵀ·x           (routed_grad_weight, per expert)
 //   dx = dgate·w1 + dup·w3                              (two routed_linear grad-input passes, summed)
 //   TMA path: x and dy are gathered once and every intermediate is expert-ordered ([M_pad, .]); pointer path:
@@ -18,8 +18,11 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <limits>
+
 #include "ops/ffn.h"
 #include "ops/routed_gemm.h"
+#include "ops/torch_launch.h"
 
 namespace fused {
 namespace {
@@ -49,17 +52,19 @@ Projections projections(const FfnGeometry& geo, FUSED_FFN_ARGS) {
   return {routed::Experts(*u1, w1, false), routed::Experts(*u3, w3, false), routed::Experts(*u2, w2, false)};
 }
 
-// h = silu(gate) * up and its gradients from dh, in fp32, stored in the buffers' dtype.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_grads(const at::Tensor& gate, const at::Tensor& up,
-                                                            const at::Tensor& dh) {
-  const auto dt = gate.scalar_type();
-  const at::Tensor g = gate.to(at::kFloat), u = up.to(at::kFloat), d = dh.to(at::kFloat);
-  const at::Tensor s = at::sigmoid(g);
-  const at::Tensor act = g * s;  // silu(gate)
-  at::Tensor h = (act * u).to(dt);
-  at::Tensor dup = (d * act).to(dt);
-  at::Tensor dgate = (d * u * (s + act * (1 - s))).to(dt);  // silu'(g) = s (1 + g (1 - s))
-  return {h, dgate, dup};
+// In place, one elementwise pass (kernels/swiglu_backward.py): gate <- h = silu(gate) * up, up <- d_up,
+// dh <- d_gate, fp32 math. The three buffers are contiguous [rows, I] allocations of this op.
+void swiglu_backward(const routed::Gemm& g, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dh) {
+  TORCH_INTERNAL_ASSERT(gate.is_contiguous() && up.is_contiguous() && dh.is_contiguous() &&
+                        up.sizes() == gate.sizes() && dh.sizes() == gate.sizes());
+  const int64_t rows = gate.size(0), cols = gate.size(1);
+  KernelArgs a;
+  a.ptr(gate.data_ptr()).ptr(up.data_ptr()).ptr(dh.data_ptr()).i32(rows).i32(cols).i32(cols);
+  TORCH_CHECK((rows + 15) / 16 <= std::numeric_limits<int32_t>::max() && (cols + 255) / 256 <= 65535,
+              "ffn: backward too large for one launch (", rows, " x ", cols, ")");
+  launch_on_current_stream("swiglu_backward_kernel", "dtype=" + g.dt, a,
+                           Grid{static_cast<uint32_t>((rows + 15) / 16), static_cast<uint32_t>((cols + 255) / 256), 1},
+                           gate);  // BLOCK_R = 16, BLOCK_C = 256 (aot/manifest.py)
 }
 }  // namespace
 
@@ -124,17 +129,15 @@ std::vector<at::Tensor> ffn_backward_cuda(const at::Tensor& grad_out, const at::
   auto as = [&](const at::Tensor& t) { return routed::Rows{t, tma}; };
   const at::Tensor none;
 
-  at::Tensor h, dgate, dup;
-  {
-    // Rows [end, M_pad) of these expert-ordered buffers are never written; the elementwise pass computes garbage
-    // there that no kernel reads (tiles past `end` are skipped, grad-weight reads only the experts' rows).
-    at::Tensor gate = at::empty({rows, geo.I}, opt), up = at::empty({rows, geo.I}, opt);
-    at::Tensor dh = at::empty({rows, geo.I}, opt);
-    routed::linear(g, r, as(xa), p.gate, none, none, as(gate), /*w_transposed=*/false, tma);
-    routed::linear(g, r, as(xa), p.up, none, none, as(up), /*w_transposed=*/false, tma);
-    routed::linear(g, r, as(dya), p.down, none, none, as(dh), /*w_transposed=*/true, tma);  // dh = dy·w2_e
-    std::tie(h, dgate, dup) = swiglu_grads(gate, up, dh);
-  }
+  // gate, up and dh, then (in place) h, dup and dgate. Rows [end, M_pad) of these expert-ordered buffers are never
+  // written; the elementwise pass computes garbage there that no kernel reads (tiles past `end` are skipped,
+  // grad-weight reads only the experts' rows).
+  at::Tensor h = at::empty({rows, geo.I}, opt), dup = at::empty({rows, geo.I}, opt);
+  at::Tensor dgate = at::empty({rows, geo.I}, opt);
+  routed::linear(g, r, as(xa), p.gate, none, none, as(h), /*w_transposed=*/false, tma);     // gate = x·w1_eᵀ
+  routed::linear(g, r, as(xa), p.up, none, none, as(dup), /*w_transposed=*/false, tma);     // up = x·w3_eᵀ
+  routed::linear(g, r, as(dya), p.down, none, none, as(dgate), /*w_transposed=*/true, tma);  // dh = dy·w2_e
+  swiglu_backward(g, h, dup, dgate);
   const at::Tensor& e1_w2 = geo.dual ? dw2[1] : none;
   const at::Tensor& e1_w1 = geo.dual ? dw1[1] : none;
   const at::Tensor& e1_w3 = geo.dual ? dw3[1] : none;
