@@ -36,8 +36,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-os.environ.pop("TRITON_INTERPRET", None)
-
 import torch  # noqa: E402
 
 from aot import config_table as ct  # noqa: E402
@@ -52,9 +50,12 @@ MODELS = {"7b": (4096, 11008), "13b": (5120, 13824), "70b": (8192, 28672)}  # Ll
 # stream the weights). Pointer GEMMs: Triton's Ampere configs that fit 99 KiB of shared memory.
 _TMA_LINEAR = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128, 64), 8, 8, 4),
                ((128, 128, 64), 8, 4, 4), ((128, 128, 128), 8, 8, 3), ((128, 64, 64), 8, 4, 4),
-               ((64, 64, 128), 8, 4, 4), ((64, 128, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4)]
+               ((64, 64, 128), 8, 4, 4), ((64, 128, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
+               ((64, 32, 128), 8, 4, 6), ((64, 64, 128), 8, 4, 6), ((64, 32, 256), 8, 4, 3),
+               ((128, 32, 128), 8, 4, 4)]
 _TMA_SWIGLU = [((128, 128, 64), 8, 8, 3), ((128, 128, 64), 8, 8, 4), ((128, 64, 64), 8, 4, 4),
-               ((128, 64, 64), 8, 8, 4), ((64, 64, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4)]
+               ((128, 64, 64), 8, 8, 4), ((64, 64, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
+               ((64, 32, 64), 8, 4, 6), ((128, 32, 64), 8, 4, 4), ((64, 64, 128), 8, 4, 4)]
 _TMA_GRAD_W = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128, 64), 8, 8, 4),
                ((128, 128, 64), 8, 4, 4), ((256, 128, 64), 8, 8, 3), ((64, 128, 64), 8, 4, 4)]
 _PTR_GEMM = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 4, 4), ((128, 64, 64), 8, 4, 4),
@@ -466,6 +467,9 @@ def report(done, ops, ms_list, table, cc):
 
 
 def main():
+    # Measure compiled kernels: an inherited TRITON_INTERPRET=1 would time the CPU interpreter. (Only here, not at
+    # import: tests import this module next to interpreter tests in one process.)
+    os.environ.pop("TRITON_INTERPRET", None)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="linear,swiglu,grad_weight,rope")
     p.add_argument("--ms", default="1,16,64,256,1024,4096,16384", help="token counts (m buckets) to measure")

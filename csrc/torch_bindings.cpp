@@ -48,4 +48,7 @@ TORCH_LIBRARY(fused, m) {
         [](const std::string& kernel, const std::string& family, int64_t cc, int64_t m) {
           return std::string(fused::kernel_config(kernel.c_str(), family.c_str(), static_cast<int>(cc), m).cfg);
         });
+  // Diagnostic for benchmarks/bench_config_lookup.py: mean nanoseconds of one launcher-side lookup (find_config, as
+  // the launchers call it: a hash lookup and a bucket scan), over `iters` lookups cycling through m = 1 .. 2^16.
+  m.def("_config_lookup_ns(int iters) -> float", [](int64_t iters) { return fused::time_config_lookups(iters); });
 }

@@ -236,14 +236,18 @@ def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr):
     """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
-    (W_TRANSPOSED: [2, K, N] block [1, BK, BN]).  Persistent over (M_pad/BM) x cdiv(N, BN) tiles."""
+    (W_TRANSPOSED: [2, K, N] block [1, BK, BN]).  Persistent over the cdiv(end, BM) x cdiv(N, BN) tiles that hold
+    rows (end = seg[2] <= M_pad, read on the device)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    num_pid_m = M_pad // BLOCK_M
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
     start1 = tl.load(seg_ptr + 1)
     end = tl.load(seg_ptr + 2)
+    # Only tiles below `end` are enumerated, so every program's share is real work. (Enumerating all M_pad / BM row
+    # tiles and skipping the empty ones starved decode: with 1 token, the real tiles all fell to the few programs
+    # whose pid matched their row tile, e.g. 33 of 132 with BM = 64.)
+    num_pid_m = tl.cdiv(end, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
     for tile in range(pid, num_tiles, nprog):
         pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BLOCK_M
@@ -264,14 +268,15 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
                              SCATTER_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr):
-    """a_desc: [M_pad, K] block [BM, BK]; w1_desc / w3_desc: stacked [2, N, K] block [1, BN, BK]."""
+    """a_desc: [M_pad, K] block [BM, BK]; w1_desc / w3_desc: stacked [2, N, K] block [1, BN, BK]. Persistent over
+    the tiles below end = seg[2], as routed_linear_tma_kernel."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    num_pid_m = M_pad // BLOCK_M
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
     start1 = tl.load(seg_ptr + 1)
     end = tl.load(seg_ptr + 2)
+    num_pid_m = tl.cdiv(end, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
     for tile in range(pid, num_tiles, nprog):
         pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BLOCK_M

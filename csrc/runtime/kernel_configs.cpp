@@ -1,5 +1,6 @@
 #include "runtime/kernel_configs.h"
 
+#include <chrono>
 #include <stdexcept>
 #include <string_view>
 #include <unordered_map>
@@ -58,6 +59,19 @@ const KernelConfig& kernel_config(const char* kernel, const char* family, int cc
       std::to_string(cc) + (arch < 0 ? std::string(" (no built architecture runs on it)")
                                      : " (table of sm_" + std::to_string(arch) + ")") +
       "; this build holds " + kBuiltArchs + ". The tables are aot/configs/sm<arch>.json.");
+}
+
+double time_config_lookups(int64_t iters) {
+  if (iters <= 0) throw std::invalid_argument("fused: _config_lookup_ns needs iters > 0");
+  index();  // built once, outside the timing
+  const auto t0 = std::chrono::steady_clock::now();
+  uintptr_t sink = 0;
+  for (int64_t i = 0; i < iters; ++i)
+    sink += reinterpret_cast<uintptr_t>(find_config("routed_linear_tma_kernel", "half", 90, 1 + (i & 0xffff)));
+  const auto t1 = std::chrono::steady_clock::now();
+  volatile uintptr_t keep = sink;  // the loop's results are used: it cannot be optimized away
+  (void)keep;
+  return std::chrono::duration<double, std::nano>(t1 - t0).count() / static_cast<double>(iters);
 }
 
 }  // namespace fused

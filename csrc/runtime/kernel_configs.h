@@ -21,4 +21,7 @@ const KernelConfig* find_config(const char* kernel, const char* family, int cc, 
 // The same, but a missing entry throws std::invalid_argument naming the kernel, family and architecture.
 const KernelConfig& kernel_config(const char* kernel, const char* family, int cc, int64_t m);
 
+// Mean nanoseconds per find_config call over `iters` calls (benchmarks/bench_config_lookup.py).
+double time_config_lookups(int64_t iters);
+
 }  // namespace fused
