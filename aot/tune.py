@@ -87,7 +87,9 @@ def kernels_for(cc):
     """op -> (kernel name, candidates) for this GPU."""
     if table_arch(cc) == 90:
         return {"linear": ("routed_linear_tma_kernel", _TMA_LINEAR), "swiglu": ("routed_swiglu_tma_kernel", _TMA_SWIGLU),
-                "grad_weight": ("routed_grad_weight_tma_kernel", _TMA_GRAD_W), "rope": ("rope_kernel", _ROPE)}
+                "grad_weight": ("routed_grad_weight_tma_kernel", _TMA_GRAD_W), "rope": ("rope_kernel", _ROPE),
+                # design experiment (not in the tables): A gathered inside the GEMM instead of a gather copy
+                "linear_gather": ("routed_linear_gather_tma_kernel", _TMA_LINEAR[:6])}
     return {"linear": ("routed_linear_kernel", _PTR_GEMM), "swiglu": ("routed_swiglu_kernel", _PTR_GEMM),
             "grad_weight": ("routed_grad_weight_kernel", _PTR_GRAD_W), "rope": ("rope_kernel", _ROPE)}
 
@@ -115,7 +117,7 @@ class Problem:
         self.rows = self.perm[valid].long()  # token of each valid expert-ordered row
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
         g = lambda *s, scale=1.0: torch.randn(*s, device=DEV, dtype=dt) * scale  # noqa: E731
-        if op == "linear":
+        if op in ("linear", "linear_gather"):
             self.w = g(2, n, k, scale=k ** -0.5)
             make = lambda: (g(m, k), )  # noqa: E731
             nbytes = m * k * 2
@@ -144,6 +146,11 @@ class Problem:
         bm_or_bn, b1, b2 = cfg["block"]
         gm, w, s = cfg.get("group", 8), cfg["warps"], cfg["stages"]
         G = self.gemm
+        if self.op == "linear_gather":
+            G.launch_routed_linear_gather_tma(args[0], self.w, None, None, self.out, self.perm, self.seg, BM=bm_or_bn,
+                                              BN=b1, BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w,
+                                              num_stages=s)
+            return self.out
         if self.op == "linear":
             out = self.out
             if self.tma:
@@ -183,13 +190,13 @@ class Problem:
             cols = torch.randperm(self.k, device=DEV)[:64]
             dy, x = a[0].double(), a[1][:, cols].double()
             return max(_rel(dw0[:, cols], (dy * (1 - m1)).T @ x), _rel(dw1[:, cols], (dy * m1).T @ x))
-        shape = (self.m, self.n) if self.op == "linear" else (self.perm.shape[0], self.n)
+        shape = (self.perm.shape[0], self.n) if self.op == "swiglu" else (self.m, self.n)
         self.out = torch.full(shape, float("nan"), device=DEV, dtype=DTYPE)
         got = self.run(cfg, a)
         rows = torch.randperm(self.m, device=DEV)[:64]
         x = a[0][rows].double()
         vis = self.mask[rows][:, None]
-        if self.op == "linear":
+        if self.op != "swiglu":
             ref = torch.where(vis, x @ self.w[1].double().T, x @ self.w[0].double().T)
             return _rel(got[rows], ref)
         # h is expert-ordered: find each sampled token's row
@@ -202,10 +209,15 @@ class Problem:
     def time(self, cfg, rep):
         return common.bench(lambda *a: self.run(cfg, a), args=self.sets, warmup=5, rep=rep)
 
+    def gather_ms(self, rep):
+        """The [M_pad, K] gather copy that the TMA design needs before routed_linear_tma_kernel (linear_gather's
+        comparison: its time vs the linear kernel's time plus this)."""
+        return common.bench(lambda t: self._gather(t), args=[(s[0], ) for s in self.sets], warmup=5, rep=rep)
+
     def cublas_ms(self, rep):
         """cuBLAS on the same useful FLOPs (one expert's weights for every row), for the report."""
         a = self.sets[0]
-        if self.op == "linear":
+        if self.op in ("linear", "linear_gather"):
             return common.bench(lambda t: torch.nn.functional.linear(t, self.w[0]), args=[(a[0], )], warmup=5, rep=rep)
         if self.op == "swiglu":
             w13 = torch.cat([self.w1[0], self.w3[0]])
@@ -277,7 +289,8 @@ def shapes(op, ms, models):
     for m in ms:
         for name in models:
             H, I = MODELS[name]
-            nk = {"linear": [(H, H), (H, I)], "swiglu": [(I, H)], "grad_weight": [(H, H), (I, H)]}[op]
+            nk = {"linear": [(H, H), (H, I)], "linear_gather": [(H, H), (H, I)], "swiglu": [(I, H)],
+                  "grad_weight": [(H, H), (I, H)]}[op]
             out += [(m, n, k) for n, k in nk]
     return list(dict.fromkeys(out))
 
@@ -318,15 +331,16 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc):
         fam, cfgs = candidates(kernel, cands, table)
         for shape in shapes(op, ms, models):
             plan.append((op, kernel, fam, shape, cfgs))
-    total = sum(len(c) + 1 for *_, c in plan)
-    n_done = sum(1 for op, kernel, fam, shape, cfgs in plan for c in list(cfgs) + ["cuBLAS"]
+    total = sum(len(c) + 1 + (op == "linear_gather") for op, *_, c in plan)
+    n_done = sum(1 for op, kernel, fam, shape, cfgs in plan for c in list(cfgs) + list(REFERENCES)
                  if (kernel, shape_str(op, shape), c) in done)
     print(f"[tune] {device} (sm_{cc}): {total} measurements, {n_done} already in {results_path}", flush=True)
     t0 = time.time()
     out = open(results_path, "a") if results_path else None
     for op, kernel, fam, shape, cfgs in plan:
         sstr = shape_str(op, shape)
-        todo = [c for c in list(cfgs) + ["cuBLAS"] if (kernel, sstr, c) not in done]
+        refs = ["cuBLAS"] + (["gather copy"] if op == "linear_gather" else [])
+        todo = [c for c in list(cfgs) + refs if (kernel, sstr, c) not in done]
         if not todo:
             continue
         if budget_s and time.time() - t0 > budget_s:
@@ -337,8 +351,8 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc):
             rec = {"device": device, "cc": cc, "triton": triton_version(), "kernel": kernel, "family": fam, "op": op, "shape": sstr,
                    "m": prob.m, "n": prob.n, "k": prob.k, "config": c}
             try:
-                if c == "cuBLAS":
-                    rec.update(ms=prob.cublas_ms(rep), err=0.0)
+                if c in REFERENCES:
+                    rec.update(ms=(prob.cublas_ms if c == "cuBLAS" else prob.gather_ms)(rep), err=0.0)
                 else:
                     err = prob.error(cfgs[c])
                     ok = err < (2e-2 if op != "rope" else 1e-2)
@@ -359,6 +373,7 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc):
     return done
 
 
+REFERENCES = ("cuBLAS", "gather copy")  # measured next to the candidates, never candidates themselves
 KEEP_MARGIN = 1.02  # a challenger must beat the table's current config by 2% (geomean) to replace it: no noise churn
 
 
@@ -367,7 +382,7 @@ def winners(done, kernel, ms_list, incumbent=None):
     incumbent(m) -> the current table's cfg for m: kept unless the best is KEEP_MARGIN faster."""
     by_m = {}
     for (k, sstr, c), r in done.items():
-        if k != kernel or c == "cuBLAS":
+        if k != kernel or c in REFERENCES:
             continue
         m = None if kernel == "rope_kernel" else r["m"]
         if m is not None and m not in ms_list:
@@ -408,6 +423,9 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv):
     kmap = kernels_for(cc)
     for op in ops:
         kernel, cands = kmap[op]
+        if kernel not in ct.KERNELS:
+            print(f"[tune] {kernel}: a design experiment, not a table kernel: not written")
+            continue
         fam, cfgs = candidates(kernel, cands, table)
         win = winners(done, kernel, ms_list, _incumbent(table, kernel, fam))
         why = {ct.cfg_str(e): e["why"] for e in ct.buckets(table, kernel, fam) if "why" in e}
@@ -453,15 +471,18 @@ def report(done, ops, ms_list, table, cc):
         fam = "all" if kernel == "rope_kernel" else "half"
         win = winners(done, kernel, ms_list, _incumbent(table, kernel, fam))
         for (k, sstr, c), r in sorted(done.items(), key=lambda kv: (kv[0][0], kv[1].get("m") or 0, kv[0][1])):
-            if k != kernel or c == "cuBLAS":
+            if k != kernel or c in REFERENCES:
                 continue
             m = None if kernel == "rope_kernel" else r["m"]
             if m not in win or c != win[m][0]:
                 continue
-            dflt = ct.cfg_str(ct.pick(table, kernel, fam, m or 1))
+            dflt = _incumbent(table, kernel, fam)(m) or "-"
             d_ms = done.get((kernel, sstr, dflt), {}).get("ms")
             cb = done.get((kernel, sstr, "cuBLAS"), {}).get("ms")
             ratio = f"{r['ms'] / d_ms:.3f}" if d_ms else "-"
+            gc = done.get((kernel, sstr, "gather copy"), {}).get("ms")
+            if gc:  # the design experiment: show what the gather-copy design pays on top of its GEMM
+                sstr = f"{sstr} (gather copy {gc:.4f})"
             print(f"| {kernel} | {sstr} | {dflt} | {d_ms or float('nan'):.4f} | {c} | {r['ms']:.4f} | {ratio} | "
                   f"{cb or float('nan'):.4f} |")
 
@@ -493,9 +514,9 @@ def main():
         major, minor = torch.cuda.get_device_capability(0)
         cc, device = major * 10 + minor, torch.cuda.get_device_name(0)
     ops = [o for o in a.ops.split(",") if o]
-    unknown = set(ops) - {"linear", "swiglu", "grad_weight", "rope"}
-    if unknown:
-        raise SystemExit(f"aot.tune: unknown --ops {sorted(unknown)} (linear, swiglu, grad_weight, rope)")
+    known = set(kernels_for(cc))
+    if set(ops) - known:
+        raise SystemExit(f"aot.tune: unknown --ops {sorted(set(ops) - known)} (here: {', '.join(sorted(known))})")
     models = [m for m in a.models.split(",") if m]
     if set(models) - set(MODELS):
         raise SystemExit(f"aot.tune: unknown --models {sorted(set(models) - set(MODELS))} ({', '.join(MODELS)})")

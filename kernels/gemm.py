@@ -264,6 +264,42 @@ def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm
 
 
 @triton.jit
+def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr, M_pad, N, K,
+                                    stride_am, stride_om,
+                                    HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    GROUP_M: tl.constexpr):
+    """The forward of routed_linear_tma_kernel (W through TMA, output rows scattered) with A in token order, its rows
+    gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
+    of docs/perf.md ("gather inside the GEMM"), measured against gather + routed_linear_tma_kernel by aot/tune.py."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    start1 = tl.load(seg_ptr + 1)
+    end = tl.load(seg_ptr + 2)
+    num_pid_m = tl.cdiv(end, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in range(pid, num_tiles, nprog):
+        pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        e = (row0 >= start1).to(tl.int32)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        rows, valid = _tile_rows(perm_ptr, row0, BLOCK_M)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            b = w_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+        _store_tile(out_ptr, acc, perm_ptr, row0, offs_n, N, stride_om, True, BLOCK_M)
+
+
+@triton.jit
 def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_hm,
                              SCATTER_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -456,6 +492,26 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
                                    HAS_BIAS=has_bias, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                    GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, *, input_precision="tf32", BM=128,
+                                    BN=256, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3):
+    """a [M, K] in token order (rows gathered in the kernel); w_stacked [2, N, K]; out [M, N]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    M_pad = perm.shape[0]
+    K = a.shape[1]
+    N = w_stacked.shape[1]
+    w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN, BK])
+    has_bias = bias0 is not None
+    if not has_bias:
+        bias0 = bias1 = out
+    tiles = (M_pad // BM) * triton.cdiv(N, BN)
+    grid = (min(num_programs or tiles, tiles), )
+    routed_linear_gather_tma_kernel[grid](a, w_desc, bias0, bias1, out, perm, seg, M_pad, N, K, a.stride(0),
+                                          out.stride(0), HAS_BIAS=has_bias, INPUT_PRECISION=input_precision,
+                                          BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M,
+                                          num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -421,3 +421,20 @@ def test_swiglu_backward_in_place(dtype):
     launch_swiglu_backward(*bufs, BLOCK_R=16, BLOCK_C=256)
     for got, want in zip(bufs, ref):
         assert rel_err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", MASKS)
+def test_linear_gather_tma(dtype, kind):
+    """A rows gathered by pointer loads inside the TMA GEMM (no gather copy); K not a multiple of BK."""
+    M, N, K = 37, 24, 40
+    gen = torch.Generator().manual_seed(13)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, K, dtype=dtype)
+    w = rnd(gen, 2, N, K, dtype=dtype)
+    b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
+    perm, seg = route(mask, align=ALIGN)
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, input_precision=prec(dtype), num_programs=3,
+                                         **T)
+    assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < TOL[dtype]
