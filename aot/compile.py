@@ -127,10 +127,10 @@ def _config_rows(archs) -> str:
     for arch in archs:
         for kernel, fams in config_table.load(arch)["kernels"].items():
             for fam, buckets in fams.items():
-                for e in buckets:
-                    blk = ", ".join(str(b) for b in e["block"])
+                for e in buckets:  # an "off" bucket: cfg "off", zero sizes (the launchers check cfg first)
+                    blk = ", ".join(str(b) for b in e.get("block", [0, 0, 0]))
                     rows.append(f'{{"{kernel}", "{fam}", {arch}, {e.get("max_m", -1)}, {{{blk}}}, {e.get("group", 1)}, '
-                                f'{e["warps"]}, {e["stages"]}, "{config_table.cfg_str(e)}"}}')
+                                f'{e.get("warps", 0)}, {e.get("stages", 0)}, "{config_table.cfg_str(e)}"}}')
     return ("const KernelConfig kConfigs[] = {\n  " + ",\n  ".join(rows) + "};\n"
             f"const size_t kNumConfigs = {len(rows)};\n"
             f"const int kArchs[] = {{{', '.join(str(a) for a in archs)}}};\n"

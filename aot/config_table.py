@@ -15,6 +15,9 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
   (the reduction length for the grad-weight kernels); the runtime takes the first bucket with m <= max_m.
 * `block`, `group` (GROUP_M / GROUP_N), `warps`, `stages`: the meta-parameters compiled in. An optional `why` says
   where a value comes from.
+* `"off": true` (only for kernels that are an alternative design, OPTIONAL below): the kernel is not used for the
+  bucket's m, and the launcher takes the other design (for routed_linear_gather_tma_kernel: a gather copy, then
+  routed_linear_tma_kernel).
 
 aot/manifest.py compiles every distinct config of every table (a variant per config, for the architectures whose
 table lists it); aot/compile.py writes the buckets into the generated C++ table, and csrc/runtime/kernel_configs.cpp
@@ -39,8 +42,11 @@ KERNELS = {
     "routed_linear_tma_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
     "routed_swiglu_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
     "routed_grad_weight_tma_kernel": (("half", "tf32", "ieee"), "BLOCK_N x BLOCK_K x BLOCK_R", True, 2),
+    # the linear forward with A gathered inside the GEMM; families without entries use gather copy + the TMA kernel
+    "routed_linear_gather_tma_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
 }
-_ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "why"}
+OPTIONAL = {"routed_linear_gather_tma_kernel"}  # kernels whose buckets may be "off"
+_ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "why", "off"}
 
 
 def family(dtype: str, prec: str) -> str:
@@ -49,7 +55,10 @@ def family(dtype: str, prec: str) -> str:
 
 
 def cfg_str(entry: Dict) -> str:
-    """The config as it appears in variant keys ("cfg=128x256x64_g8_w8_s3")."""
+    """The config as it appears in variant keys ("cfg=128x256x64_g8_w8_s3"); "off" for a bucket that turns an
+    optional kernel off."""
+    if entry.get("off"):
+        return "off"
     s = "x".join(str(b) for b in entry["block"])
     if "group" in entry:
         s += f"_g{entry['group']}"
@@ -87,6 +96,20 @@ def validate(table: Dict, where: str = "config table") -> Dict:
                 extra = set(e) - _ENTRY_FIELDS
                 if extra:
                     fail(f"{at}: unknown fields {sorted(extra)}")
+                if "off" in e:
+                    if name not in OPTIONAL or e["off"] is not True:
+                        fail(f"{at}: only an alternative-design kernel ({', '.join(sorted(OPTIONAL))}) may have "
+                             "\"off\": true")
+                    if set(e) - {"max_m", "off", "why"}:
+                        fail(f"{at}: an \"off\" bucket has only max_m (and why)")
+                    if i + 1 < len(buckets):
+                        m = e.get("max_m")
+                        if not (isinstance(m, int) and m > last):
+                            fail(f"{at}: every bucket but the last needs an integer 'max_m' above the previous one")
+                        last = m
+                    elif "max_m" in e:
+                        fail(f"{at}: the last bucket takes every larger m and must not have 'max_m'")
+                    continue
                 blk = e.get("block")
                 if not (isinstance(blk, list) and len(blk) == 3 and all(_pow2(b) for b in blk)):
                     fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
@@ -143,7 +166,7 @@ def dumps(table: Dict) -> str:
         for fi, (fam, bks) in enumerate(items):
             lines.append(f'   "{fam}": [')
             for bi, e in enumerate(bks):
-                order = [k for k in ("max_m", "block", "group", "warps", "stages", "why") if k in e]
+                order = [k for k in ("max_m", "off", "block", "group", "warps", "stages", "why") if k in e]
                 body = ", ".join(f'"{k}": {json.dumps(e[k])}' for k in order)
                 lines.append(f"    {{{body}}}" + ("," if bi + 1 < len(bks) else ""))
             lines.append("   ]" + ("," if fi + 1 < len(items) else ""))

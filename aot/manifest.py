@@ -31,6 +31,8 @@ def configs(kernel: str, family: str) -> List[Tuple[Dict, Tuple[int, ...]]]:
     found: Dict[str, Tuple[Dict, List[int]]] = {}
     for arch in ARCHS:
         for e in config_table.buckets(config_table.load(arch), kernel, family):
+            if e.get("off"):  # nothing to compile: the launcher takes the other design
+                continue
             found.setdefault(config_table.cfg_str(e), (e, []))[1].append(arch)
     return [(e, tuple(archs)) for e, archs in found.values()]
 
@@ -192,6 +194,19 @@ def _gemm_variants() -> List[Variant]:
                         "INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": cfg["group"]}
                 out += _both("kernels.gemm:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
                              args, meta, cfg, archs)
+
+        # routed_linear_gather_tma_kernel (sm_90): the linear forward with A in token order, its rows gathered by
+        # pointer loads inside the GEMM (no gather copy), W through TMA, rows scattered; with / without bias.
+        for cfg, archs in configs("routed_linear_gather_tma_kernel", fam):
+            bm, bn, bk = cfg["block"]
+            args = [("a_ptr", p), ("w_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("bias0_ptr", p), ("bias1_ptr", p),
+                    ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"),
+                    ("K", "i32"), ("stride_am", "i32"), ("stride_om", "i32")]
+            for bias in (1, 0):
+                meta = {"HAS_BIAS": bool(bias), "INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                        "GROUP_M": cfg["group"]}
+                out += _both("kernels.gemm:routed_linear_gather_tma_kernel", dict(base, bias=bias), args, meta, cfg,
+                             archs)
 
         # routed_grad_weight_tma_kernel (sm_90): expert-ordered dy / x through [BR, BN] / [BR, BK] descriptors.
         for cfg, archs in configs("routed_grad_weight_tma_kernel", fam):

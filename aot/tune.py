@@ -88,8 +88,8 @@ def kernels_for(cc):
     if table_arch(cc) == 90:
         return {"linear": ("routed_linear_tma_kernel", _TMA_LINEAR), "swiglu": ("routed_swiglu_tma_kernel", _TMA_SWIGLU),
                 "grad_weight": ("routed_grad_weight_tma_kernel", _TMA_GRAD_W), "rope": ("rope_kernel", _ROPE),
-                # design experiment (not in the tables): A gathered inside the GEMM instead of a gather copy
-                "linear_gather": ("routed_linear_gather_tma_kernel", _TMA_LINEAR[:6])}
+                # the other forward design: A gathered inside the GEMM instead of a gather copy (measure with linear)
+                "linear_gather": ("routed_linear_gather_tma_kernel", _TMA_LINEAR)}
     return {"linear": ("routed_linear_kernel", _PTR_GEMM), "swiglu": ("routed_swiglu_kernel", _PTR_GEMM),
             "grad_weight": ("routed_grad_weight_kernel", _PTR_GRAD_W), "rope": ("rope_kernel", _ROPE)}
 
@@ -304,6 +304,8 @@ def candidates(kernel, cands, table):
     fam = "all" if kernel == "rope_kernel" else "half"
     out = {ct.cfg_str(e): e for e in (_entry(*c) for c in cands)}
     for e in ct.buckets(table, kernel, fam):
+        if e.get("off"):
+            continue
         e = {k: v for k, v in e.items() if k in ("block", "group", "warps", "stages")}
         out.setdefault(ct.cfg_str(e), e)
     return fam, out
@@ -404,6 +406,32 @@ def winners(done, kernel, ms_list, incumbent=None):
     return out
 
 
+def _design_choice(done, win, new_table, kmap):
+    """For the gather-inside-the-GEMM forward: per m, keep its winner only where it beats the other design, a gather
+    copy plus routed_linear_tma_kernel with the config the new table gives that m (geometric mean over the shapes);
+    elsewhere "off"."""
+    tma_kernel = kmap["linear"][0]
+    out = {}
+    for m, (cfg, score, per_shape) in win.items():
+        ratios = []
+        for sstr, ms in per_shape.items():
+            other = ct.cfg_str(ct.pick(new_table, tma_kernel, "half", m))
+            t = done.get((tma_kernel, sstr, other), {}).get("ms")
+            gc = done.get((kmap["linear_gather"][0], sstr, "gather copy"), {}).get("ms")
+            if not (t and gc):
+                ratios = None
+                break
+            ratios.append(ms / (t + gc))
+        if not ratios:
+            print(f"[tune] linear_gather m={m}: the other design was not measured on the same shapes; left off")
+            out[m] = ("off", None, {})
+            continue
+        g = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(f"[tune] linear_gather m={m}: {g:.3f}x the time of gather copy + TMA kernel -> {'on' if g < 1 else 'off'}")
+        out[m] = (cfg, score, per_shape) if g < 1 else ("off", None, {})
+    return out
+
+
 def _incumbent(table, kernel, fam):
     def cur(m):
         try:
@@ -423,9 +451,6 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv):
     kmap = kernels_for(cc)
     for op in ops:
         kernel, cands = kmap[op]
-        if kernel not in ct.KERNELS:
-            print(f"[tune] {kernel}: a design experiment, not a table kernel: not written")
-            continue
         fam, cfgs = candidates(kernel, cands, table)
         win = winners(done, kernel, ms_list, _incumbent(table, kernel, fam))
         why = {ct.cfg_str(e): e["why"] for e in ct.buckets(table, kernel, fam) if "why" in e}
@@ -436,19 +461,23 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv):
             e = dict(cfgs[win[None][0]])
             new["kernels"].setdefault(kernel, {})[fam] = [dict(e, why=why[ct.cfg_str(e)]) if ct.cfg_str(e) in why else e]
             continue
+        if kernel in ct.OPTIONAL:
+            win = _design_choice(done, win, new, kmap)
         buckets = []
         for m in sorted(win):
-            e = dict(cfgs[win[m][0]])
+            e = {"off": True} if win[m][0] == "off" else dict(cfgs[win[m][0]])
             if buckets and ct.cfg_str(buckets[-1]) == ct.cfg_str(e):
                 buckets[-1]["max_m"] = m
             else:
                 buckets.append(dict(e, max_m=m))
         buckets[-1].pop("max_m")
+        if all(b.get("off") for b in buckets):
+            buckets = [{"off": True}]
         for b in buckets:  # an unchanged config keeps its explanation
             if ct.cfg_str(b) in why:
                 b["why"] = why[ct.cfg_str(b)]
         new["kernels"].setdefault(kernel, {})[fam] = [
-            {k: b[k] for k in ("max_m", "block", "group", "warps", "stages", "why") if k in b} for b in buckets]
+            {k: b[k] for k in ("max_m", "off", "block", "group", "warps", "stages", "why") if k in b} for b in buckets]
     tv = sorted({r.get("triton", "?") for r in done.values()})
     new["origin"] = (f"tuned on {device} (triton {', '.join(tv)}) by `python -m aot.tune {' '.join(argv)}` "
                      f"({datetime.date.today().isoformat()}); families and kernels not measured kept from the "

@@ -342,7 +342,8 @@ def _shipped_configs():
                 continue  # tests/test_rope_interp.py
             for fam, buckets in fams.items():
                 for e in buckets:
-                    seen.setdefault((kernel, fam, tuple(e["block"]), e["group"]), None)
+                    if not e.get("off"):
+                        seen.setdefault((kernel, fam, tuple(e["block"]), e["group"]), None)
     return list(seen)
 
 
@@ -363,7 +364,7 @@ def test_shipped_config(kernel, fam, block, group):
     xg = torch.empty(M_pad, K, dtype=dtype)
     gemm.launch_gather_rows(x, xg, perm)
     m1 = mask.double()[:, None]
-    if kernel in ("routed_linear_kernel", "routed_linear_tma_kernel"):
+    if kernel in ("routed_linear_kernel", "routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"):
         bm, bn, bk = block
         w = rnd(gen, 2, N, K, dtype=dtype)
         b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
@@ -371,9 +372,12 @@ def test_shipped_config(kernel, fam, block, group):
         if kernel == "routed_linear_kernel":
             gemm.launch_routed_linear(x, w[0], w[1], b0, b1, out, perm, seg, N, K, input_precision=p, BM=bm, BN=bn,
                                       BK=bk, GROUP_M=group)
-        else:
+        elif kernel == "routed_linear_tma_kernel":
             gemm.launch_routed_linear_tma(xg, w, b0, b1, out, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
                                           GROUP_M=group, num_programs=5)
+        else:
+            gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, input_precision=p, BM=bm, BN=bn,
+                                                 BK=bk, GROUP_M=group, num_programs=5)
         assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < tol
     elif kernel in ("routed_swiglu_kernel", "routed_swiglu_tma_kernel"):
         bm, bn, bk = block

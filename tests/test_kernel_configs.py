@@ -65,11 +65,24 @@ def _bad(mutate):
     (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(tile=[1]), "unknown fields ['tile']"),
     (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].pop("group"), "'group'"),
     (lambda t: t["kernels"].clear(), "'kernels' must be a non-empty object"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"].insert(0, {"max_m": 1, "off": True}),
+     "only an alternative-design kernel"),
+    (lambda t: t["kernels"]["routed_linear_gather_tma_kernel"]["half"][0].update(block=[128, 128, 64]),
+     "an \"off\" bucket has only max_m"),
 ])
 def test_validate_rejects_bad_tables(mutate, message):
     with pytest.raises(ValueError, match=None) as e:
         ct.validate(_bad(mutate), "t.json")
     assert message in str(e.value) and "t.json" in str(e.value)
+
+
+def test_off_buckets_turn_the_alternative_design_off_at_run_time():
+    table = TABLES[90]
+    offs = [e for e in ct.buckets(table, "routed_linear_gather_tma_kernel", "half") if e.get("off")]
+    if not offs:
+        pytest.skip("the shipped sm_90 table uses the gather-in-GEMM forward for every m")
+    m = offs[0].get("max_m", 1 << 30)
+    assert fused_ops.kernel_config("routed_linear_gather_tma_kernel", "half", m, 90) == "off"
 
 
 def test_tma_kernels_only_in_the_sm90_table():
@@ -94,6 +107,8 @@ def test_manifest_compiles_every_config_for_its_architectures():
         for kernel, fams in table["kernels"].items():
             for fam, buckets in fams.items():
                 for e in buckets:
+                    if e.get("off"):  # nothing compiled: the launcher takes the other design
+                        continue
                     archs = compiled.get((kernel, ct.cfg_str(e)), set())
                     assert arch in archs, f"sm_{arch} {kernel}/{fam} {ct.cfg_str(e)} is not compiled"
     # and nothing is compiled for an architecture whose table does not list it

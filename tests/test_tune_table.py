@@ -82,3 +82,14 @@ def test_the_current_config_stays_unless_clearly_beaten():
     w = tune.winners(_done(recs), K, [16, 64], cur)
     assert w[16][0] == B  # 1.5% slower than the best: noise, kept
     assert w[64][0] == A  # 5% slower: replaced
+
+
+def test_the_gather_in_gemm_design_is_on_only_where_it_beats_gather_copy_plus_tma():
+    G = "routed_linear_gather_tma_kernel"
+    recs = []
+    for m, hybrid in ((1, 2.0), (4096, 0.8)):  # the other design: 1.0 (TMA kernel) + 0.1 (gather copy)
+        recs += [_rec(m, 4096, A, 1.0), _rec(m, 4096, A, hybrid, kernel=G), _rec(m, 4096, "gather copy", 0.1, kernel=G)]
+    table = ct.load(90)
+    new = tune.write_table("/dev/null", table, _done(recs), ["linear", "linear_gather"], [1, 4096], 90, "GPU X", [])
+    b = new["kernels"][G]["half"]
+    assert b[0] == {"max_m": 1, "off": True} and ct.cfg_str(b[1]) == A and "max_m" not in b[1]

@@ -243,6 +243,23 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   const void* b0 = has_bias ? bias0.data_ptr() : r.perm.data_ptr();
   const void* b1 = has_bias ? bias1.data_ptr() : r.perm.data_ptr();
   KernelArgs args;
+  if (tma && !a.expert_ordered && !r.single && !out.expert_ordered && !w_transposed) {
+    // Token-order A into scattered rows (the linear_dual forward): gathering A's rows inside the GEMM saves the
+    // [M_pad, K] gather copy where the table says it is faster (aot/configs/sm90.json; docs/perf.md).
+    const KernelConfig* c = find_config("routed_linear_gather_tma_kernel", family(g), g.cc, r.M);
+    if (c && !config_off(*c)) {
+      const Experts::Stacked& st = w.stacked();
+      args.ptr(a.t.data_ptr())
+          .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
+          .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+          .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(out.t.stride(0));
+      const int64_t tiles = (r.M_pad / c->block[0]) * cdiv(n, c->block[1]);
+      launch_on_current_stream("routed_linear_gather_tma_kernel",
+                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(has_bias)}, {"cfg", c->cfg}}),
+                               args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
+      return;
+    }
+  }
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a);
     const KernelConfig& c = config(g, "routed_linear_tma_kernel", r.M);

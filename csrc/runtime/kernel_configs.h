@@ -18,6 +18,9 @@ int table_arch(int cc);
 // architecture has no such entry (e.g. a TMA kernel off sm_90, or a family the kernel lacks).
 const KernelConfig* find_config(const char* kernel, const char* family, int cc, int64_t m);
 
+// Whether the bucket turns an alternative-design kernel off for its m ("off": true in the table; cfg "off").
+inline bool config_off(const KernelConfig& c) { return c.cfg[0] == 'o' && std::string(c.cfg) == "off"; }
+
 // The same, but a missing entry throws std::invalid_argument naming the kernel, family and architecture.
 const KernelConfig& kernel_config(const char* kernel, const char* family, int cc, int64_t m);
 
