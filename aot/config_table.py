@@ -16,8 +16,8 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
 * `block`, `group` (GROUP_M / GROUP_N), `warps`, `stages`: the meta-parameters compiled in. An optional `why` says
   where a value comes from.
 * `"off": true` (only for kernels that are an alternative design, OPTIONAL below): the kernel is not used for the
-  bucket's m, and the launcher takes the other design (for routed_linear_gather_tma_kernel: a gather copy, then
-  routed_linear_tma_kernel).
+  bucket's m, and the launcher takes the other design (for routed_{linear,swiglu}_gather_tma_kernel: a gather copy,
+  then routed_{linear,swiglu}_tma_kernel). A family without entries for such a kernel also takes the other design.
 
 aot/manifest.py compiles every distinct config of every table (a variant per config, for the architectures whose
 table lists it); aot/compile.py writes the buckets into the generated C++ table, and csrc/runtime/kernel_configs.cpp
@@ -44,8 +44,10 @@ KERNELS = {
     "routed_grad_weight_tma_kernel": (("half", "tf32", "ieee"), "BLOCK_N x BLOCK_K x BLOCK_R", True, 2),
     # the linear forward with A gathered inside the GEMM; families without entries use gather copy + the TMA kernel
     "routed_linear_gather_tma_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
+    "routed_swiglu_gather_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
 }
-OPTIONAL = {"routed_linear_gather_tma_kernel"}  # kernels whose buckets may be "off"
+# kernels whose buckets may be "off" (an alternative design: gather inside the GEMM instead of a gather copy)
+OPTIONAL = {"routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel"}
 _ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "why", "off"}
 
 

@@ -208,6 +208,16 @@ def _gemm_variants() -> List[Variant]:
                 out += _both("kernels.gemm:routed_linear_gather_tma_kernel", dict(base, bias=bias), args, meta, cfg,
                              archs)
 
+        # routed_swiglu_gather_tma_kernel (sm_90): the gate/up GEMM with x in token order (rows gathered inside).
+        for cfg, archs in configs("routed_swiglu_gather_tma_kernel", fam):
+            bm, bn, bk = cfg["block"]
+            args = [("a_ptr", p), ("w1_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
+                    ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
+                    ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_am", "i32"),
+                    ("stride_hm", "i32")]
+            meta = {"INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": cfg["group"]}
+            out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel", dict(base), args, meta, cfg, archs)
+
         # routed_grad_weight_tma_kernel (sm_90): expert-ordered dy / x through [BR, BN] / [BR, BK] descriptors.
         for cfg, archs in configs("routed_grad_weight_tma_kernel", fam):
             bn, bk, br = cfg["block"]

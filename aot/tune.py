@@ -89,7 +89,8 @@ def kernels_for(cc):
         return {"linear": ("routed_linear_tma_kernel", _TMA_LINEAR), "swiglu": ("routed_swiglu_tma_kernel", _TMA_SWIGLU),
                 "grad_weight": ("routed_grad_weight_tma_kernel", _TMA_GRAD_W), "rope": ("rope_kernel", _ROPE),
                 # the other forward design: A gathered inside the GEMM instead of a gather copy (measure with linear)
-                "linear_gather": ("routed_linear_gather_tma_kernel", _TMA_LINEAR)}
+                "linear_gather": ("routed_linear_gather_tma_kernel", _TMA_LINEAR),
+                "swiglu_gather": ("routed_swiglu_gather_tma_kernel", _TMA_SWIGLU)}
     return {"linear": ("routed_linear_kernel", _PTR_GEMM), "swiglu": ("routed_swiglu_kernel", _PTR_GEMM),
             "grad_weight": ("routed_grad_weight_kernel", _PTR_GRAD_W), "rope": ("rope_kernel", _ROPE)}
 
@@ -121,7 +122,7 @@ class Problem:
             self.w = g(2, n, k, scale=k ** -0.5)
             make = lambda: (g(m, k), )  # noqa: E731
             nbytes = m * k * 2
-        elif op == "swiglu":
+        elif op in ("swiglu", "swiglu_gather"):
             self.w1, self.w3 = g(2, n, k, scale=k ** -0.5), g(2, n, k, scale=k ** -0.5)
             make = lambda: (g(m, k), )  # noqa: E731
             nbytes = m * k * 2
@@ -129,7 +130,7 @@ class Problem:
             make = lambda: (g(m, n), g(m, k))  # noqa: E731
             nbytes = m * (n + k) * 2
         self.sets = [self._prepare(make()) for _ in range(common.rotation_count(nbytes))]
-        self.flops = 2 * m * n * k * (2 if op == "swiglu" else 1)
+        self.flops = 2 * m * n * k * (2 if op in ("swiglu", "swiglu_gather") else 1)
 
     def _gather(self, t):
         out = torch.empty(self.perm.shape[0], t.shape[1], device=DEV, dtype=t.dtype)
@@ -160,6 +161,11 @@ class Problem:
                 G.launch_routed_linear(args[0], self.w[0], self.w[1], None, None, out, self.perm, self.seg, self.n,
                                        self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w, num_stages=s)
             return out
+        if self.op == "swiglu_gather":
+            G.launch_routed_swiglu_gather_tma(args[0], self.w1, self.w3, self.out, self.perm, self.seg, BM=bm_or_bn,
+                                              BN=b1, BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w,
+                                              num_stages=s)
+            return self.out
         if self.op == "swiglu":
             h = self.out
             if self.tma:
@@ -190,13 +196,14 @@ class Problem:
             cols = torch.randperm(self.k, device=DEV)[:64]
             dy, x = a[0].double(), a[1][:, cols].double()
             return max(_rel(dw0[:, cols], (dy * (1 - m1)).T @ x), _rel(dw1[:, cols], (dy * m1).T @ x))
-        shape = (self.perm.shape[0], self.n) if self.op == "swiglu" else (self.m, self.n)
+        swiglu = self.op in ("swiglu", "swiglu_gather")
+        shape = (self.perm.shape[0], self.n) if swiglu else (self.m, self.n)
         self.out = torch.full(shape, float("nan"), device=DEV, dtype=DTYPE)
         got = self.run(cfg, a)
         rows = torch.randperm(self.m, device=DEV)[:64]
         x = a[0][rows].double()
         vis = self.mask[rows][:, None]
-        if self.op != "swiglu":
+        if not swiglu:
             ref = torch.where(vis, x @ self.w[1].double().T, x @ self.w[0].double().T)
             return _rel(got[rows], ref)
         # h is expert-ordered: find each sampled token's row
@@ -219,7 +226,7 @@ class Problem:
         a = self.sets[0]
         if self.op in ("linear", "linear_gather"):
             return common.bench(lambda t: torch.nn.functional.linear(t, self.w[0]), args=[(a[0], )], warmup=5, rep=rep)
-        if self.op == "swiglu":
+        if self.op in ("swiglu", "swiglu_gather"):
             w13 = torch.cat([self.w1[0], self.w3[0]])
             return common.bench(lambda t: torch.nn.functional.linear(t, w13), args=[(a[0], )], warmup=5, rep=rep)
         return common.bench(lambda dy, x: dy.T @ x, args=[(a[0], a[1])], warmup=5, rep=rep)
@@ -290,7 +297,7 @@ def shapes(op, ms, models):
         for name in models:
             H, I = MODELS[name]
             nk = {"linear": [(H, H), (H, I)], "linear_gather": [(H, H), (H, I)], "swiglu": [(I, H)],
-                  "grad_weight": [(H, H), (I, H)]}[op]
+                  "swiglu_gather": [(I, H)], "grad_weight": [(H, H), (I, H)]}[op]
             out += [(m, n, k) for n, k in nk]
     return list(dict.fromkeys(out))
 
@@ -333,7 +340,7 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc):
         fam, cfgs = candidates(kernel, cands, table)
         for shape in shapes(op, ms, models):
             plan.append((op, kernel, fam, shape, cfgs))
-    total = sum(len(c) + 1 + (op == "linear_gather") for op, *_, c in plan)
+    total = sum(len(c) + 1 + (op in GATHER_DESIGNS) for op, *_, c in plan)
     n_done = sum(1 for op, kernel, fam, shape, cfgs in plan for c in list(cfgs) + list(REFERENCES)
                  if (kernel, shape_str(op, shape), c) in done)
     print(f"[tune] {device} (sm_{cc}): {total} measurements, {n_done} already in {results_path}", flush=True)
@@ -341,7 +348,7 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc):
     out = open(results_path, "a") if results_path else None
     for op, kernel, fam, shape, cfgs in plan:
         sstr = shape_str(op, shape)
-        refs = ["cuBLAS"] + (["gather copy"] if op == "linear_gather" else [])
+        refs = ["cuBLAS"] + (["gather copy"] if op in GATHER_DESIGNS else [])
         todo = [c for c in list(cfgs) + refs if (kernel, sstr, c) not in done]
         if not todo:
             continue
@@ -375,6 +382,7 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc):
     return done
 
 
+GATHER_DESIGNS = {"linear_gather": "linear", "swiglu_gather": "swiglu"}  # design op -> the gather-copy design's op
 REFERENCES = ("cuBLAS", "gather copy")  # measured next to the candidates, never candidates themselves
 KEEP_MARGIN = 1.02  # a challenger must beat the table's current config by 2% (geomean) to replace it: no noise churn
 
@@ -406,28 +414,28 @@ def winners(done, kernel, ms_list, incumbent=None):
     return out
 
 
-def _design_choice(done, win, new_table, kmap):
-    """For the gather-inside-the-GEMM forward: per m, keep its winner only where it beats the other design, a gather
-    copy plus routed_linear_tma_kernel with the config the new table gives that m (geometric mean over the shapes);
-    elsewhere "off"."""
-    tma_kernel = kmap["linear"][0]
+def _design_choice(done, win, new_table, kmap, op):
+    """For a gather-inside-the-GEMM kernel: per m, keep its winner only where it beats the other design, a gather
+    copy plus the TMA kernel with the config the new table gives that m (geometric mean over the shapes); elsewhere
+    "off"."""
+    tma_kernel = kmap[GATHER_DESIGNS[op]][0]
     out = {}
     for m, (cfg, score, per_shape) in win.items():
         ratios = []
         for sstr, ms in per_shape.items():
             other = ct.cfg_str(ct.pick(new_table, tma_kernel, "half", m))
             t = done.get((tma_kernel, sstr, other), {}).get("ms")
-            gc = done.get((kmap["linear_gather"][0], sstr, "gather copy"), {}).get("ms")
+            gc = done.get((kmap[op][0], sstr, "gather copy"), {}).get("ms")
             if not (t and gc):
                 ratios = None
                 break
             ratios.append(ms / (t + gc))
         if not ratios:
-            print(f"[tune] linear_gather m={m}: the other design was not measured on the same shapes; left off")
+            print(f"[tune] {op} m={m}: the other design was not measured on the same shapes; left off")
             out[m] = ("off", None, {})
             continue
         g = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        print(f"[tune] linear_gather m={m}: {g:.3f}x the time of gather copy + TMA kernel -> {'on' if g < 1 else 'off'}")
+        print(f"[tune] {op} m={m}: {g:.3f}x the time of gather copy + TMA kernel -> {'on' if g < 1 else 'off'}")
         out[m] = (cfg, score, per_shape) if g < 1 else ("off", None, {})
     return out
 
@@ -462,7 +470,7 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv):
             new["kernels"].setdefault(kernel, {})[fam] = [dict(e, why=why[ct.cfg_str(e)]) if ct.cfg_str(e) in why else e]
             continue
         if kernel in ct.OPTIONAL:
-            win = _design_choice(done, win, new, kmap)
+            win = _design_choice(done, win, new, kmap, op)
         buckets = []
         for m in sorted(win):
             e = {"off": True} if win[m][0] == "off" else dict(cfgs[win[m][0]])

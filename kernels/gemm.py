@@ -264,6 +264,13 @@ def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm
 
 
 @triton.jit
+def _gathered_a(a_ptrs, valid, offs_k, K, k0):
+    """The [BM, BK] A tile at k0 whose rows were gathered through perm (a_ptrs at k = 0; invalid rows and k >= K
+    read as zeros)."""
+    return tl.load(a_ptrs + k0, mask=valid[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+
+
+@triton.jit
 def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr, M_pad, N, K,
                                     stride_am, stride_om,
                                     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -290,10 +297,9 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+            a = _gathered_a(a_ptrs, valid, offs_k, K, k0)
             b = w_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
             acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
-            a_ptrs += BLOCK_K
         if HAS_BIAS:
             acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
         _store_tile(out_ptr, acc, perm_ptr, row0, offs_n, N, stride_om, True, BLOCK_M)
@@ -330,6 +336,39 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
                 acc_u = tl.dot(a, u.T, acc_u, input_precision=INPUT_PRECISION)
             h = _silu_mul(acc_g, acc_u)
             _store_tile(h_ptr, h, perm_ptr, row0, offs_n, N, stride_hm, SCATTER_OUT, BLOCK_M)
+
+
+@triton.jit
+def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_am,
+                                    stride_hm, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """routed_swiglu_tma_kernel with x in token order, its rows gathered through perm inside the main loop (no
+    [M_pad, H] gather copy); h expert-ordered as there."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    start1 = tl.load(seg_ptr + 1)
+    end = tl.load(seg_ptr + 2)
+    num_pid_m = tl.cdiv(end, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in range(pid, num_tiles, nprog):
+        pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        e = (row0 >= start1).to(tl.int32)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        rows, valid = _tile_rows(perm_ptr, row0, BLOCK_M)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = _gathered_a(a_ptrs, valid, offs_k, K, k0)
+            g = w1_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            u = w3_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            acc_g = tl.dot(a, g.T, acc_g, input_precision=INPUT_PRECISION)
+            acc_u = tl.dot(a, u.T, acc_u, input_precision=INPUT_PRECISION)
+        _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, offs_n, N, stride_hm, False, BLOCK_M)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,6 +569,21 @@ def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, sca
                                    SCATTER_OUT=scatter_out, INPUT_PRECISION=input_precision, BLOCK_M=BM,
                                    BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=num_warps,
                                    num_stages=num_stages)
+    return h
+
+
+def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, input_precision="tf32", BM=128,
+                                    BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3):
+    """a [M, K] in token order; h [M_pad, N] expert-ordered (rows >= seg[2] not written)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    M_pad, K, N = perm.shape[0], a.shape[1], w1_stacked.shape[1]
+    w1_desc = TensorDescriptor.from_tensor(w1_stacked, [1, BN, BK])
+    w3_desc = TensorDescriptor.from_tensor(w3_stacked, [1, BN, BK])
+    tiles = (M_pad // BM) * triton.cdiv(N, BN)
+    grid = (min(num_programs or tiles, tiles), )
+    routed_swiglu_gather_tma_kernel[grid](a, w1_desc, w3_desc, h, perm, seg, M_pad, N, K, a.stride(0), h.stride(0),
+                                          INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                                          GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
     return h
 
 

@@ -289,6 +289,24 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
   check_rows(r, a, H, "x");
   check_rows(r, ordered(h), I, "h");
   KernelArgs args;
+  if (tma && !a.expert_ordered && !r.single) {
+    // Token-order x: gather its rows inside the GEMM where the table says that beats the gather copy (as in linear).
+    const KernelConfig* c = find_config("routed_swiglu_gather_tma_kernel", family(g), g.cc, r.M);
+    if (c && !config_off(*c)) {
+      const Experts::Stacked& s1 = w1.stacked();
+      const Experts::Stacked& s3 = w3.stacked();
+      args.ptr(a.t.data_ptr())
+          .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
+          .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
+          .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+          .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0));
+      const int64_t tiles = (r.M_pad / c->block[0]) * cdiv(I, c->block[1]);
+      launch_on_current_stream("routed_swiglu_gather_tma_kernel",
+                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c->cfg}}), args,
+                               grid(std::min<int64_t>(g.sms, tiles)), h);
+      return;
+    }
+  }
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a);
     const KernelConfig& c = config(g, "routed_swiglu_tma_kernel", r.M);
