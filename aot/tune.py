@@ -487,9 +487,11 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv):
         new["kernels"].setdefault(kernel, {})[fam] = [
             {k: b[k] for k in ("max_m", "off", "block", "group", "warps", "stages", "why") if k in b} for b in buckets]
     tv = sorted({r.get("triton", "?") for r in done.values()})
-    new["origin"] = (f"tuned on {device} (triton {', '.join(tv)}) by `python -m aot.tune {' '.join(argv)}` "
-                     f"({datetime.date.today().isoformat()}); families and kernels not measured kept from the "
-                     "previous table")
+    how = f"`python -m aot.tune {' '.join(argv)}`"
+    if "--offline" in argv:
+        how = f"{how} from the measurements in its --results file"
+    new["origin"] = (f"tuned on {device} (triton {', '.join(tv)}) by {how} ({datetime.date.today().isoformat()}); "
+                     "families and kernels not measured kept from the previous table")
     ct.validate(new, path)
     with open(path, "w") as f:
         f.write(ct.dumps(new))
