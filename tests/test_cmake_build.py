@@ -24,9 +24,18 @@ CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
 
 
-def run(cmd, timeout=600, **kw):
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
-    assert r.returncode == 0, f"{' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
+def compile_env(**extra):
+    """The environment without TRITON_INTERPRET, which the interpreter tests set for the whole pytest process: the
+    AOT step and AOTInductor (ctest's cpp_export_aoti_cuda) compile real kernels."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(extra)
+    return env
+
+
+def run(cmd, timeout=600, env=None, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or compile_env(), **kw)
+    command = " ".join(map(str, cmd))
+    assert r.returncode == 0, f"{command} failed ({r.returncode}):\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
     return r
 
 
@@ -67,7 +76,8 @@ def test_ctest_runs_the_cpp_examples(cmake_build):
     """Every CPU entry passes; the CUDA entries pass on a GPU machine and are reported as skipped (saying why)
     without one, never as passed."""
     build, _ = cmake_build
-    r = subprocess.run(["ctest", "--output-on-failure", "-V"], cwd=build, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(["ctest", "--output-on-failure", "-V"], cwd=build, capture_output=True, text=True, timeout=900,
+                       env=compile_env())
     print(r.stdout[-12000:])  # shown by pytest on failure (and with -s): the C++ programs' check lines
     results = dict(re.findall(r"Test\s+#\d+: (\S+) \.+\**\s*(Passed|Failed|Skipped|Not Run|Timeout|\w+)", r.stdout))
     cpu = {"cpp_export", "cpp_export_aoti_cpu", "cpp_infer_cpu", "cpp_aoti_cpu", "cpp_train_cpu"}
@@ -101,9 +111,9 @@ def test_installed_package_config_for_a_consumer(cmake_build, tmp_path):
     assert str(lib.parent) in runpath, runpath
     # the model and references, written with the installed library
     exported = tmp_path / "exported"
-    env = dict(os.environ, FUSED_OPS_LIBRARY=str(lib), PYTHONPATH=os.path.join(ROOT, "python"))
+    env = compile_env(FUSED_OPS_LIBRARY=str(lib), PYTHONPATH=os.path.join(ROOT, "python"))
     run([sys.executable, os.path.join(ROOT, "examples", "cpp", "export_model.py"), "--out", str(exported)], env=env)
-    clean = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    clean = {k: v for k, v in compile_env().items() if k != "LD_LIBRARY_PATH"}
     for dev in ("cpu", "cuda") if CUDA else ("cpu",):
         r = run([str(exe), dev, str(exported)], env=clean, timeout=300)
         assert f"fused_infer (TorchScript, {dev}): all checks passed" in r.stdout, r.stdout

@@ -17,6 +17,13 @@ from fresh_process import run_fresh
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from block_model import FusedBlock, make_inputs  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def compile_for_real(monkeypatch):
+    # The interpreter tests set TRITON_INTERPRET=1 for the whole pytest process; inductor's Triton kernels (CUDA)
+    # must be compiled, not interpreted (Triton reads the variable when a kernel is created).
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 FUSED_TARGETS = {"fused.linear_dual.default": 1, "fused.rope_fwd.default": 1, "fused.ffn.default": 2}
 
 

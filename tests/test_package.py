@@ -52,8 +52,8 @@ def test_fused_ops_library_override(tmp_path):
     r = run_fresh(code, env={"FUSED_OPS_LIBRARY": str(other)})
     assert r.returncode == 0 and r.stdout.strip() == str(other), r.stdout + r.stderr[-2000:]
     r = run_fresh(code, env={"FUSED_OPS_LIBRARY": "/nonexistent/libfused_ops.so"})
-    assert r.returncode != 0 and "ImportError: fused_ops: FUSED_OPS_LIBRARY='/nonexistent/libfused_ops.so' is not a file" \
-        in r.stderr, r.stderr[-2000:]
+    want = "ImportError: fused_ops: FUSED_OPS_LIBRARY='/nonexistent/libfused_ops.so' is not a file"
+    assert r.returncode != 0 and want in r.stderr, r.stderr[-2000:]
 
 
 def test_built_archs_lists_sm90_and_ptx():
@@ -83,7 +83,8 @@ EVERY_OP = {"rope_fwd", "rope_bwd", "rope_fwd_", "rope_fwd_qk", "rope_bwd_qk", "
 
 def test_no_jit_test_covers_every_op():
     """EVERY_OP is the library's list of tensor ops (a new op must be added to the no-JIT test)."""
-    names = {n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("fused::")}
+    names = {n.split("::", 1)[1].split(".")[0]
+             for n in torch._C._dispatch_get_all_op_names() if n.startswith("fused::")}
     tensor_ops = {n for n in names if any(isinstance(a.type, torch.TensorType)
                                           for a in getattr(torch.ops.fused, n).default._schema.arguments)}
     assert tensor_ops == EVERY_OP

@@ -16,7 +16,7 @@
 
 namespace {
 
-// Tolerances of ‖out − ref‖ / ‖ref‖ against the float64 reference: fp32 math everywhere (no TF32) for float32;
+// Tolerances of ‖out − ref‖ / ‖ref‖ against the float64 reference: float32 is fp32 math everywhere (no TF32);
 // bfloat16 rounds inputs, weights, the intermediate and the output to 8 bits of mantissa.
 constexpr double kTolF32 = 2e-5, kTolBF16 = 3e-2;
 

@@ -195,7 +195,8 @@ void check_block(example::Checker& check, const torch::Device& device, const std
     std::replace(key.begin(), key.end(), '.', '_');
     bool present = got[i].defined();
     check.require("grad " + names[i] + " computed", present);
-    if (present) check.close("grad " + names[i] + " vs Python's float64 reference", got[i], example::get(ref, key), kTolF32);
+    if (present)
+      check.close("grad " + names[i] + " vs Python's float64 reference", got[i], example::get(ref, key), kTolF32);
   }
   if (device.is_cuda()) {
     auto cpu = block_grads(model, ref, torch::kCPU);
