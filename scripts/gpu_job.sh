@@ -12,6 +12,8 @@
 #   build.log        full (verbose) build output
 #   tests.log        pytest -m gpu, then the full suite (both include tests/test_linear_dual_ops.py and
 #                    tests/test_ffn_ops.py, which live in tests/ like every other test file)
+#                    The cpp step (scripts/cpp_example.sh: CMake build, ctest of examples/cpp on CPU and CUDA,
+#                    the installed package's consumer; then the deployment tests) writes here too.
 #   bench_rope.log   benchmark output
 #   bench_rope.json  all benchmark numbers, bench_rope.md its table, rope_sweep.png the sweep plot
 #   bench_routed.log benchmarks/bench_linear_dual.py then benchmarks/bench_ffn.py (tables and PASS/FAIL
@@ -176,6 +178,28 @@ step_main() {
     "$PY" examples/transformer_block.py
 }
 
+step_cpp() {
+    # The deployment paths (README, "Deployment"). 1. scripts/cpp_example.sh: the CMake build of the library and of
+    # examples/cpp, ctest (TorchScript and AOTInductor inference, training, on CPU and CUDA), a consumer of the
+    # installed package config. Without cmake on this machine that part is skipped, and said so. 2. The Python-side
+    # deployment tests (TorchScript, torch.compile / torch.export / AOTInductor, the no-JIT test of every op): all of
+    # them, or only their CPU tier when the tests-gpu step runs the GPU tier anyway.
+    local rc=0 marker=()
+    if command -v cmake >/dev/null || [[ -x "$(dirname "$PY")/cmake" ]]; then
+        echo "--- cpp: scripts/cpp_example.sh ($(command -v cmake || echo "$(dirname "$PY")/cmake"))"
+        VPY="$PY" FUSED_CMAKE_BUILD=/tmp/fused_cmake bash scripts/cpp_example.sh || rc=$?
+        echo "--- cpp: cpp_example.sh exit status $rc"
+    else
+        echo "--- cpp: cmake NOT FOUND on this machine: the CMake build, ctest and the consumer were SKIPPED (not run)"
+        rc=3
+    fi
+    [[ " $STEPS " == *" tests-gpu "* ]] && marker=(-m "not gpu")
+    echo "--- cpp: Python-side deployment tests ${marker[*]:-(all tiers)}"
+    "$PY" -m pytest -q -ra -p no:cacheprovider ${marker[@]+"${marker[@]}"} tests/test_deploy_torchscript.py \
+        tests/test_deploy_pt2.py tests/test_package.py || rc=$?
+    return $rc
+}
+
 step_tests_all() {
     "$PY" -m pytest -q -p no:cacheprovider tests
 }
@@ -210,7 +234,7 @@ step_tune() {
 }
 
 export -f step_tune step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
-    step_bench_ffn
+    step_bench_ffn step_cpp
 
 has_bench() { [[ " $BENCHES " == *" $1 "* ]]; }
 # time kept for the routed benchmarks that follow a step (their timeout + 5 s of start-up each)
@@ -223,7 +247,8 @@ has_bench ffn && ROUTED_AFTER_LINEAR=$(( ROUTED_BENCH_S + 5 ))
 # ------------------------------------------------------------------------------- run
 say "gpu_job: repo $REPO, OUT $OUT, budget ${JOB_BUDGET_S}s, $(date -u)"
 #        name        max  reserve  log                    show  function
-STEPS="${STEPS:-env liger build diag tests-gpu main bench-rope bench-linear bench-ffn tune}"
+STEPS="${STEPS:-env liger build diag tests-gpu main cpp bench-rope bench-linear bench-ffn tune}"
+export STEPS
 has_step() { [[ " $STEPS " == *" $1 "* ]]; }
 #        name        max  reserve  log                    show  function
 has_step env && run_step env          45     0    "$JOB_LOG"              1     step_env
@@ -237,6 +262,7 @@ has_step diag && run_step diag         60    60    "$OUT/job.log"          1    
 has_step repro && run_step repro        60    60    "$OUT/tests.log"        1     step_repro
 has_step tests-gpu && run_step tests-gpu  330    40    "$OUT/tests.log"        1     step_tests_gpu
 has_step main && run_step main         60     0    "$OUT/tests.log"        1     step_main
+has_step cpp && run_step cpp          300     0    "$OUT/tests.log"        1     step_cpp
 has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/bench_rope.log" 1 step_bench
 has_step bench-linear && run_step bench-linear "$ROUTED_BENCH_S" $(( 15 + ROUTED_AFTER_LINEAR )) "$OUT/bench_routed.log" 1 step_bench_linear_dual
 has_step bench-ffn && run_step bench-ffn "$ROUTED_BENCH_S" 15 "$OUT/bench_routed.log" 1 step_bench_ffn
@@ -254,6 +280,9 @@ has_step tune && run_step tune   "$TUNE_S"    5    "$OUT/bench_routed.log" 1    
     echo "--- routed benchmark targets (bench_routed.log):"
     grep -E '^- (PASS|FAIL|N/A): .*\(target ' "$OUT/bench_routed.log" 2>/dev/null || echo "(no routed targets)"
     grep -E '^bench_(linear_dual|ffn): ' "$OUT/bench_routed.log" 2>/dev/null | tail -n 4
+    echo "--- cpp step (tests.log): ctest, consumer, deployment tests"
+    grep -E "^\[cpp_example\]|^--- cpp: (cmake NOT FOUND|cpp_example)|tests passed, .* failed out of|^\s+[0-9]+ - cpp_\S+ \(" \
+        "$OUT/tests.log" 2>/dev/null | tail -n 20 || echo "(no cpp step output)"
     echo "--- routed-op test failures (tests.log):"
     routed_failed=$(grep -E '^(FAILED|ERROR) tests/test_(linear_dual|ffn)_ops\.py' "$OUT/tests.log" 2>/dev/null | sort -u)
     if [[ -n $routed_failed ]]; then head -n 40 <<<"$routed_failed"; else echo "(none)"; fi

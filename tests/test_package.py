@@ -1,6 +1,6 @@
 """The package itself: it imports and runs without Triton, reports its build, and (GPU tier) loads kernels lazily
 per device from several threads at once."""
-import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -9,22 +9,7 @@ import pytest
 import torch
 
 import fused_ops
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# A fresh interpreter where `import triton` raises ImportError, as on a deployment machine without Triton
-# (a None entry in sys.modules makes both `import triton` and importlib's find_spec report it missing).
-_NO_TRITON = textwrap.dedent("""
-    import sys
-    sys.modules["triton"] = None
-""")
-
-
-def run_fresh(code, env=None):
-    full_env = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-c", _NO_TRITON + textwrap.dedent(code)], capture_output=True, text=True,
-                          env=full_env, cwd=os.path.join(ROOT, "tests"), timeout=300)
-
+from fresh_process import run_fresh
 
 def test_import_and_cpu_ops_never_import_triton():
     r = run_fresh("""
@@ -54,6 +39,23 @@ def test_import_and_ops_leave_triton_unimported():
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
 
 
+def test_fused_ops_library_override(tmp_path):
+    """FUSED_OPS_LIBRARY loads another build of the op library (e.g. the CMake one) instead of the bundled _C; a
+    path that is not a file is an ImportError that names the variable."""
+    other = tmp_path / "libfused_ops_copy.so"  # another file than the bundled one, so the test sees which loads
+    shutil.copy(fused_ops.library_path, other)
+    code = """
+        import torch, fused_ops
+        print(fused_ops.library_path)
+        assert torch.ops.fused.rope_fwd(torch.randn(4, 1, 2, 8), torch.randn(4, 1, 1, 8)).shape == (4, 1, 2, 8)
+    """
+    r = run_fresh(code, env={"FUSED_OPS_LIBRARY": str(other)})
+    assert r.returncode == 0 and r.stdout.strip() == str(other), r.stdout + r.stderr[-2000:]
+    r = run_fresh(code, env={"FUSED_OPS_LIBRARY": "/nonexistent/libfused_ops.so"})
+    want = "ImportError: fused_ops: FUSED_OPS_LIBRARY='/nonexistent/libfused_ops.so' is not a file"
+    assert r.returncode != 0 and want in r.stderr, r.stderr[-2000:]
+
+
 def test_built_archs_lists_sm90_and_ptx():
     archs = fused_ops.built_archs()
     assert "sm_90" in archs and "PTX" in archs
@@ -74,27 +76,92 @@ def test_cuda_path_without_gpu_raises_cleanly():
         torch.ops.fused.rope_fwd(torch.randn(2, 1, 1, 8, device="cuda"), torch.randn(2, 1, 1, 8, device="cuda"))
 
 
+# Every op of the library that takes tensors, and how the no-JIT test below runs each one.
+EVERY_OP = {"rope_fwd", "rope_bwd", "rope_fwd_", "rope_fwd_qk", "rope_bwd_qk", "linear_dual", "linear_dual_backward",
+            "ffn", "ffn_backward"}
+
+
+def test_no_jit_test_covers_every_op():
+    """EVERY_OP is the library's list of tensor ops (a new op must be added to the no-JIT test)."""
+    names = {n.split("::", 1)[1].split(".")[0]
+             for n in torch._C._dispatch_get_all_op_names() if n.startswith("fused::")}
+    tensor_ops = {n for n in names if any(isinstance(a.type, torch.TensorType)
+                                          for a in getattr(torch.ops.fused, n).default._schema.arguments)}
+    assert tensor_ops == EVERY_OP
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_ops_run_without_triton_or_jit(tmp_path):
+    """Every op (forward and backward, bf16 and fp32, every GPU) in a fresh process where `import triton` raises,
+    with an empty TRITON_CACHE_DIR that stays empty: the kernels are the AOT-compiled ones, nothing JIT-compiles."""
     cache = tmp_path / "triton_cache"
     cache.mkdir()
     r = run_fresh("""
         import sys, torch, fused_ops
         from reference import rope_reference
+        from reference_routed import ffn_reference, linear_dual_reference, reference_grads, rel_err
+        ops = torch.ops.fused
+        ran = set()
+        def check(name, got, want, tol):
+            err = rel_err(got, want)
+            assert err < tol, f"{name}: rel. error {err:.2e} (tol {tol})"
+        def differentiate(name, op_names, fn, ref_fn, inputs, diff, tol):
+            # forward and every gradient through the op's autograd (which calls its backward op) vs float64
+            leaves = [t.detach().requires_grad_(True) if d else t for t, d in zip(inputs, diff)]
+            out = fn(*leaves)
+            g = torch.randn_like(out)
+            grads = torch.autograd.grad(out, [t for t, d in zip(leaves, diff) if d], g)
+            want, want_grads = reference_grads(ref_fn, inputs, g, diff)
+            check(name, out, want, tol)
+            for i, got in enumerate(grads):
+                check(f"{name} grad {i}", got, [w for w, d in zip(want_grads, diff) if d][i], tol)
+            ran.update(op_names)
         for dev in range(torch.cuda.device_count()):
-            t = torch.randn(64, 2, 8, 128, device=f"cuda:{dev}", dtype=torch.bfloat16, requires_grad=True)
-            f = torch.randn(64, 1, 1, 128, device=f"cuda:{dev}")
-            out = torch.ops.fused.rope_fwd(t, f)
-            out.float().sum().backward()
-            ref = rope_reference(t, f)
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, err
+            d = f"cuda:{dev}"
+            for dt, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+                # rope: rope_fwd (autograd -> rope_bwd), rope_bwd, rope_fwd_qk, rope_bwd_qk, rope_fwd_ (in place)
+                t = torch.randn(64, 2, 8, 128, device=d, dtype=dt)
+                f = torch.randn(64, 1, 1, 128, device=d)
+                leaf = t.clone().requires_grad_(True)
+                out = ops.rope_fwd(leaf, f)
+                g = torch.randn_like(out)
+                (grad_t,) = torch.autograd.grad(out, leaf, g)  # the op's autograd calls rope_bwd
+                check("rope_fwd", out, rope_reference(t, f), tol)
+                check("rope_fwd grad", grad_t, rope_reference(g, f, backward=True), tol)
+                ran.update(("rope_fwd", "rope_bwd"))
+                check("rope_bwd", ops.rope_bwd(t, f), rope_reference(t, f, backward=True), tol)
+                k = t[:, :, :2]
+                q_out, k_out = ops.rope_fwd_qk(t, k, f)
+                check("rope_fwd_qk q", q_out, rope_reference(t, f), tol)
+                check("rope_fwd_qk k", k_out, rope_reference(k, f), tol)
+                gq, gk = ops.rope_bwd_qk(t, k, f)
+                check("rope_bwd_qk q", gq, rope_reference(t, f, backward=True), tol)
+                check("rope_bwd_qk k", gk, rope_reference(k, f, backward=True), tol)
+                t2 = t.clone()
+                ops.rope_fwd_(t2, f)
+                check("rope_fwd_", t2, rope_reference(t, f), tol)
+                ran.update(("rope_fwd_qk", "rope_bwd_qk", "rope_fwd_"))
+                # routed GEMMs: 300 tokens, a random mask holding both experts
+                x = torch.randn(300, 256, device=d, dtype=dt)
+                mask = torch.rand(300, device=d) < 0.5
+                w = lambda *shape: (torch.randn(*shape, device=d) * 0.05).to(dt)
+                differentiate("linear_dual", ("linear_dual", "linear_dual_backward"), ops.linear_dual,
+                              linear_dual_reference, [x, mask, w(192, 256), w(192, 256), w(192), w(192)],
+                              [True, False, True, True, True, True], tol)
+                differentiate("ffn dual", ("ffn", "ffn_backward"), ops.ffn, ffn_reference,
+                              [x, w(320, 256), w(320, 256), w(256, 320), mask, w(320, 256), w(320, 256), w(256, 320)],
+                              [True, True, True, True, False, True, True, True], tol)
+                differentiate("ffn single", ("ffn", "ffn_backward"), ops.ffn, ffn_reference,
+                              [x, w(320, 256), w(320, 256), w(256, 320)], [True] * 4, tol)
             torch.cuda.synchronize(dev)
-        assert sys.modules["triton"] is None
+        assert sys.modules["triton"] is None, "triton was imported"
+        print("RAN", sorted(ran))
         print("OK")
     """, env={"TRITON_CACHE_DIR": str(cache)})
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    ran = set(r.stdout.split("RAN ", 1)[1].split("\n", 1)[0].strip("[]").replace("'", "").split(", "))
+    assert ran == EVERY_OP, f"ops not run: {EVERY_OP - ran}"
     assert list(cache.iterdir()) == [], "something compiled with Triton at run time"
 
 

@@ -10,6 +10,14 @@ import torch as _torch
 
 
 def _load_library():
+    # FUSED_OPS_LIBRARY names another build of the same op library to load instead of the bundled _C, e.g. the
+    # libfused_ops.so of the CMake build, whose examples script their model with this package from the source tree.
+    override = _os.environ.get("FUSED_OPS_LIBRARY")
+    if override:
+        if not _os.path.isfile(override):
+            raise ImportError(f"fused_ops: FUSED_OPS_LIBRARY={override!r} is not a file")
+        _torch.ops.load_library(override)
+        return override
     here = _os.path.dirname(_os.path.abspath(__file__))
     libs = sorted(_glob.glob(_os.path.join(here, "_C*.so")))
     if not libs:

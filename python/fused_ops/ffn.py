@@ -198,6 +198,9 @@ class DualExpertSwiGLU(nn.Module):
     (u1, u3, u2) = (`w1[0]`, `w3[0]`, `w2[0]`); `vision_weights` / `text_weights` return those views.
     """
 
+    # Left to Python by `torch.jit.script` (see DualLinear): forward does not use them.
+    __jit_unused_properties__ = ["vision_weights", "text_weights"]
+
     def __init__(self, hidden_size: int, intermediate_size: int, *, allow_tf32: bool = False, device=None,
                  dtype=None):
         super().__init__()

@@ -82,6 +82,10 @@ class DualLinear(nn.Module):
     Initialization is nn.Linear's, independently per expert.
     """
 
+    # TorchScript compiles properties too; these index with Python-level constants it cannot see, and forward does
+    # not use them, so `torch.jit.script` leaves them to Python.
+    __jit_unused_properties__ = ["weight_v", "weight_t", "bias_v", "bias_t"]
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, allow_tf32: bool = False,
                  device=None, dtype=None):
         super().__init__()

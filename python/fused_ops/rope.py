@@ -14,9 +14,10 @@ import torch
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk"]
 
 
-def _check_flag(name: str, value) -> bool:
+def _check_flag(name: str, value: bool) -> bool:
     # Catches calls written for TE's positional order (t, freqs, tensor_format, start_positions, interleaved, ...):
     # there the 4th positional argument is a tensor or None, which must not silently become `interleaved`.
+    # (The annotation is for TorchScript, which types the flag statically and compiles this check away.)
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}; pass start_positions by keyword")
     return value

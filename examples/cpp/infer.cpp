@@ -1,0 +1,85 @@
+// Inference from C++: loads the model that export_model.py saved from Python, runs it on a device and checks the
+// result against the output saved from Python (a float64 reference).
+//
+//   fused_infer DEVICE DIR            the TorchScript model DIR/block.pt, float32 and bfloat16
+//   fused_infer DEVICE DIR --aoti     the AOTInductor package DIR/block_<DEVICE>.pt2, float32
+//
+// DEVICE is cpu or cuda; DIR is export_model.py's --out folder (it also holds block_reference.pt). Linking
+// libfused_ops registers torch.ops.fused.* from its static initializers (the package config links it with
+// --no-as-needed), so torch::jit::load and the AOTInductor loader find the ops with nothing else to call.
+// Exit status: 0 all checks passed, 1 a check failed, 2 bad usage or an error (e.g. a missing file), 77 CUDA asked
+// for and no device visible (a skip for ctest, never a pass).
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/csrc/jit/passes/inliner.h>
+
+#include "example_checks.h"
+
+namespace {
+
+// Tolerances of ‖out − ref‖ / ‖ref‖ against the float64 reference: float32 is fp32 math everywhere (no TF32);
+// bfloat16 rounds inputs, weights, the intermediate and the output to 8 bits of mantissa.
+constexpr double kTolF32 = 2e-5, kTolBF16 = 3e-2;
+
+int run_torchscript(const torch::Device& device, const std::string& dir,
+                    const std::map<std::string, at::Tensor>& ref) {
+  example::Checker check;
+  torch::jit::Module model = torch::jit::load(dir + "/block.pt");
+  model.eval();
+
+  // The model must really run the fused ops (a plain-PyTorch block would pass the numeric checks too).
+  auto graph = model.get_method("forward").graph()->copy();
+  torch::jit::Inline(*graph);  // submodule calls (DualLinear, ...) become their ops
+  const std::string ir = graph->toString();
+  for (const char* op : {"fused::linear_dual", "fused::rope_fwd", "fused::ffn"})
+    check.require(std::string("the scripted forward calls ") + op, ir.find(op) != std::string::npos);
+
+  c10::InferenceMode no_autograd;
+  const at::Tensor& x = example::get(ref, "x");
+  const at::Tensor mask = example::get(ref, "mask").to(device);
+  const at::Tensor freqs = example::get(ref, "freqs").to(device);  // stays float32, whatever the model's dtype
+  model.to(device);
+  at::Tensor out = model.forward({x.to(device), mask, freqs}).toTensor();
+  check.require("float32 output on " + device.str(), out.device().type() == device.type());
+  check.close("float32 output vs Python's float64 reference", out, example::get(ref, "out"), kTolF32);
+
+  model.to(torch::kBFloat16);
+  out = model.forward({x.to(device, torch::kBFloat16), mask, freqs}).toTensor();
+  check.require("bfloat16 output dtype", out.scalar_type() == torch::kBFloat16);
+  check.close("bfloat16 output vs Python's float64 reference", out, example::get(ref, "out"), kTolBF16);
+  return check.finish("fused_infer (TorchScript, " + device.str() + ")");
+}
+
+int run_aoti(const torch::Device& device, const std::string& dir, const std::map<std::string, at::Tensor>& ref) {
+  example::Checker check;
+  const std::string path = dir + "/block_" + (device.is_cuda() ? "cuda" : "cpu") + ".pt2";
+  torch::inductor::AOTIModelPackageLoader loader(path);
+  c10::InferenceMode no_autograd;
+  std::vector<at::Tensor> inputs = {example::get(ref, "x").to(device), example::get(ref, "mask").to(device),
+                                    example::get(ref, "freqs").to(device)};
+  std::vector<at::Tensor> outs = loader.run(inputs);
+  check.require("the package returns one output", outs.size() == 1);
+  if (!outs.empty()) {
+    check.require("output on " + device.str(), outs[0].device().type() == device.type());
+    check.close("float32 output vs Python's float64 reference", outs[0], example::get(ref, "out"), kTolF32);
+  }
+  return check.finish("fused_infer (AOTInductor " + path + ")");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool aoti = argc == 4 && std::string(argv[3]) == "--aoti";
+  if (argc != 3 && !aoti) {
+    std::cerr << "usage: " << argv[0] << " cpu|cuda DIR [--aoti]   (DIR: export_model.py --out)\n";
+    return example::kError;
+  }
+  const torch::Device device = example::device_or_skip(argv[1]);
+  const std::string dir = argv[2];
+  try {
+    const auto ref = example::load_tensors(dir + "/block_reference.pt");
+    return aoti ? run_aoti(device, dir, ref) : run_torchscript(device, dir, ref);
+  } catch (const std::exception& e) {
+    std::cerr << "fused_infer: error: " << e.what() << "\n";
+    return example::kError;
+  }
+}
