@@ -31,6 +31,12 @@ inline torch::Device device_or_skip(const std::string& name) {
   return torch::kCUDA;
 }
 
+// An exception's message, without the C++ backtrace that torch's errors carry.
+inline const char* message(const std::exception& e) {
+  auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  return c10_error ? c10_error->what_without_backtrace() : e.what();
+}
+
 // The buffers of a module saved by export_model.py (its `Tensors` container), by name.
 inline std::map<std::string, at::Tensor> load_tensors(const std::string& path) {
   std::map<std::string, at::Tensor> out;

@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
     const auto ref = example::load_tensors(dir + "/block_reference.pt");
     return aoti ? run_aoti(device, dir, ref) : run_torchscript(device, dir, ref);
   } catch (const std::exception& e) {
-    std::cerr << "fused_infer: error: " << e.what() << "\n";
+    std::cerr << "fused_infer: error: " << example::message(e) << "\n";
     return example::kError;
   }
 }

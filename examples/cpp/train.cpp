@@ -248,7 +248,7 @@ int main(int argc, char** argv) {
     check_sgd(check, device, argv[2], ref);
     return check.finish(std::string("fused_train (") + argv[1] + ")");
   } catch (const std::exception& e) {
-    std::cerr << "fused_train: error: " << e.what() << "\n";
+    std::cerr << "fused_train: error: " << example::message(e) << "\n";
     return example::kError;
   }
 }
