@@ -14,9 +14,16 @@ NO_TRITON = textwrap.dedent("""
 """)
 
 
-def run_fresh(code, env=None, timeout=300):
+def run_fresh(code, env=None, timeout=300, triton=False):
     """Runs `code` (dedented) after NO_TRITON, in tests/ (so `from reference import ...` works); returns the
-    CompletedProcess with text stdout/stderr."""
+    CompletedProcess with text stdout/stderr. triton=True: Triton stays importable and TRITON_INTERPRET is removed,
+    for code that compiles with Triton (inductor, AOTInductor on CUDA): a pytest process that ran the interpreter
+    tests has Triton's own jit functions created in interpreter mode, and inductor's CUDA kernels cannot be compiled
+    there."""
     full_env = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-c", NO_TRITON + textwrap.dedent(code)], capture_output=True, text=True,
+    prefix = NO_TRITON
+    if triton:
+        full_env.pop("TRITON_INTERPRET", None)
+        prefix = ""
+    return subprocess.run([sys.executable, "-c", prefix + textwrap.dedent(code)], capture_output=True, text=True,
                           env=full_env, cwd=TESTS, timeout=timeout)

@@ -38,8 +38,7 @@ def out_and_grads(fn, block, x, mask, freqs):
     return [out.detach()] + list(torch.autograd.grad(out, [xl] + list(block.parameters()), torch.ones_like(out)))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compile_fullgraph_block(device, backend):
+def check_compiled_block(device, backend):
     """No graph break (fullgraph=True raises on one); outputs and gradients as eager, at two shapes."""
     torch._dynamo.reset()
     block, _ = block_and_inputs(device)
@@ -50,6 +49,21 @@ def test_compile_fullgraph_block(device, backend):
         got = out_and_grads(compiled, block, x, mask, freqs)
         for g, w in zip(got, want):  # inductor fuses the residual adds: not bitwise
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_block(device, backend):
+    if not (backend == "inductor" and device.startswith("cuda")):
+        check_compiled_block(device, backend)
+        return
+    # Inductor on CUDA compiles Triton kernels: in a fresh process, since this one may have run the interpreter tests
+    # (tests/fresh_process.py run_fresh(triton=True)).
+    r = run_fresh(f"""
+        import test_deploy_pt2 as t
+        t.check_compiled_block({device!r}, "inductor")
+        print("OK")
+    """, triton=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
 def fused_calls(exported) -> dict:
@@ -95,10 +109,17 @@ def test_aoti_package_runs_in_a_fresh_process_without_triton(tmp_path, device):
     """aoti_compile_and_package of the exported block; loading the package needs the ops registered (import fused_ops
     in Python, linking libfused_ops in C++: examples/cpp runs the same package from C++), then runs with no Triton
     and gives eager's result. Without the ops registered, loading fails and names the missing op."""
-    block, inputs = block_and_inputs(device)
-    package = torch._inductor.aoti_compile_and_package(torch.export.export(block, inputs),
-                                                       package_path=str(tmp_path / "block.pt2"))
-    torch.save((inputs, block(*inputs)), tmp_path / "io.pt")
+    package = str(tmp_path / "block.pt2")
+    # Compiled in a fresh process with Triton (the CUDA package's kernels are Triton kernels; this pytest process may
+    # have created Triton's jit functions in interpreter mode), then run in fresh processes without it.
+    r = run_fresh(f"""
+        import torch, test_deploy_pt2 as t
+        block, inputs = t.block_and_inputs({device!r})
+        torch._inductor.aoti_compile_and_package(torch.export.export(block, inputs), package_path={package!r})
+        torch.save((inputs, block(*inputs)), {str(tmp_path / "io.pt")!r})
+        print("OK")
+    """, triton=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
     load = f"""
         import sys, torch
         inputs, want = torch.load({str(tmp_path / "io.pt")!r}, weights_only=False)
