@@ -263,7 +263,7 @@ echo "--- last lines of build.log:"; tail -n 25 "$OUT/build.log" 2>/dev/null
 export PY
 has_step diag && run_step diag         60    60    "$OUT/job.log"          1     step_diag
 has_step repro && run_step repro        60    60    "$OUT/tests.log"        1     step_repro
-has_step tests-gpu && run_step tests-gpu  330    40    "$OUT/tests.log"        1     step_tests_gpu
+has_step tests-gpu && run_step tests-gpu  500    40    "$OUT/tests.log"        1     step_tests_gpu
 has_step main && run_step main         60     0    "$OUT/tests.log"        1     step_main
 has_step cpp && run_step cpp          300     0    "$OUT/tests.log"        1     step_cpp
 has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/bench_rope.log" 1 step_bench
