@@ -104,25 +104,8 @@ def validate(table: Dict, where: str = "config table") -> Dict:
                              "\"off\": true")
                     if set(e) - {"max_m", "off", "why"}:
                         fail(f"{at}: an \"off\" bucket has only max_m (and why)")
-                    if i + 1 < len(buckets):
-                        m = e.get("max_m")
-                        if not (isinstance(m, int) and m > last):
-                            fail(f"{at}: every bucket but the last needs an integer 'max_m' above the previous one")
-                        last = m
-                    elif "max_m" in e:
-                        fail(f"{at}: the last bucket takes every larger m and must not have 'max_m'")
-                    continue
-                blk = e.get("block")
-                if not (isinstance(blk, list) and len(blk) == 3 and all(_pow2(b) for b in blk)):
-                    fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
-                if row_idx is not None and ROUTING_ALIGN % blk[row_idx] != 0:
-                    fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
-                if e.get("warps") not in (1, 2, 4, 8, 16):
-                    fail(f"{at}: 'warps' must be 1, 2, 4, 8 or 16, got {e.get('warps')!r}")
-                if not (isinstance(e.get("stages"), int) and 1 <= e["stages"] <= 8):
-                    fail(f"{at}: 'stages' must be an integer in [1, 8], got {e.get('stages')!r}")
-                if name != "rope_kernel" and not (isinstance(e.get("group"), int) and e["group"] >= 1):
-                    fail(f"{at}: 'group' (GROUP_M / GROUP_N) must be a positive integer")
+                else:
+                    _check_config(e, name, row_idx, fail, at)
                 if i + 1 < len(buckets):
                     m = e.get("max_m")
                     if not (isinstance(m, int) and m > last):
@@ -131,6 +114,21 @@ def validate(table: Dict, where: str = "config table") -> Dict:
                 elif "max_m" in e:
                     fail(f"{at}: the last bucket takes every larger m and must not have 'max_m'")
     return table
+
+
+def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
+    """The compiled meta-parameters of one bucket (not "off")."""
+    blk = e.get("block")
+    if not (isinstance(blk, list) and len(blk) == 3 and all(_pow2(b) for b in blk)):
+        fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
+    if row_idx is not None and ROUTING_ALIGN % blk[row_idx] != 0:
+        fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
+    if e.get("warps") not in (1, 2, 4, 8, 16):
+        fail(f"{at}: 'warps' must be 1, 2, 4, 8 or 16, got {e.get('warps')!r}")
+    if not (isinstance(e.get("stages"), int) and 1 <= e["stages"] <= 8):
+        fail(f"{at}: 'stages' must be an integer in [1, 8], got {e.get('stages')!r}")
+    if name != "rope_kernel" and not (isinstance(e.get("group"), int) and e["group"] >= 1):
+        fail(f"{at}: 'group' (GROUP_M / GROUP_N) must be a positive integer")
 
 
 def path(arch: int) -> str:
