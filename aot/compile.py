@@ -125,7 +125,7 @@ def _config_rows(archs) -> str:
     """The m buckets of every kernel config table of the built architectures (csrc/runtime/kernel_table.h)."""
     rows = []
     for arch in archs:
-        for kernel, fams in config_table.load(arch)["kernels"].items():
+        for kernel, fams in manifest.table(arch)["kernels"].items():
             for fam, buckets in fams.items():
                 for e in buckets:  # an "off" bucket: cfg "off", zero sizes (the launchers check cfg first)
                     blk = ", ".join(str(b) for b in e.get("block", [0, 0, 0]))

@@ -11,6 +11,7 @@ Each call argument is (name, type) with type one of the Triton signature types (
 argument is compiled in as the constant v and the runtime requires the caller to pass exactly v).
 """
 import dataclasses
+import functools
 from typing import Dict, List, Tuple, Union
 
 from aot import config_table
@@ -24,13 +25,19 @@ SHARED_LIMIT = {80: 101376, 89: 101376, 90: 232448}
 DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 
 
+@functools.lru_cache(maxsize=None)
+def table(arch: int) -> Dict:
+    """The validated config table of `arch`, read once per process (aot/compile.py reads it here too)."""
+    return config_table.load(arch)
+
+
 def configs(kernel: str, family: str) -> List[Tuple[Dict, Tuple[int, ...]]]:
     """Every distinct config of (kernel, family) in the tables of ARCHS (aot/configs/sm<arch>.json), with the
     architectures whose table lists it: a config is compiled for exactly those (its variant key carries "cfg=...", and
     the runtime asks only for configs of the table of the device's architecture)."""
     found: Dict[str, Tuple[Dict, List[int]]] = {}
     for arch in ARCHS:
-        for e in config_table.buckets(config_table.load(arch), kernel, family):
+        for e in config_table.buckets(table(arch), kernel, family):
             if e.get("off"):  # nothing to compile: the launcher takes the other design
                 continue
             found.setdefault(config_table.cfg_str(e), (e, []))[1].append(arch)
@@ -106,6 +113,19 @@ def _aligned(args) -> Dict[str, object]:
     return {n: 16 for n, ty in args if not ty.startswith("tensordesc")}
 
 
+_MNK = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")  # what a config's block and group mean, per kernel kind
+_NKR = ("BLOCK_N", "BLOCK_K", "BLOCK_R", "GROUP_N")  # grad-weight
+
+
+def _tile_meta(cfg, prec, names=_MNK, **flags) -> Dict[str, object]:
+    """The constexpr meta-parameters of a GEMM variant: the kernel's flags (as bools), INPUT_PRECISION, and the
+    config's tile and grouping under the kernel's names."""
+    meta: Dict[str, object] = {k: bool(v) for k, v in flags.items()}
+    meta["INPUT_PRECISION"] = prec
+    meta.update(zip(names, (*cfg["block"], cfg["group"])))
+    return meta
+
+
 def _both(kernel, key, args, meta, cfg, archs) -> List[Variant]:
     """The aligned variant first (taken whenever the runtime finds its assumptions hold), then the generic one."""
     key = dict(key, cfg=config_table.cfg_str(cfg))
@@ -148,12 +168,9 @@ def _gemm_variants() -> List[Variant]:
                 ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"),
                 ("stride_am", "i32"), ("stride_w", "i32"), ("stride_om", "i32")]
         for cfg, archs in configs("routed_linear_kernel", fam):
-            bm, bn, bk = cfg["block"]
             for gather, scatter, wt, bias in ((1, 1, 0, 1), (1, 1, 0, 0), (1, 1, 1, 0), (0, 1, 0, 0)):
                 key = dict(base, gather=gather, scatter=scatter, wt=wt, bias=bias)
-                meta = {"HAS_BIAS": bool(bias), "GATHER_A": bool(gather), "SCATTER_OUT": bool(scatter),
-                        "W_TRANSPOSED": bool(wt), "INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn,
-                        "BLOCK_K": bk, "GROUP_M": cfg["group"]}
+                meta = _tile_meta(cfg, prec, HAS_BIAS=bias, GATHER_A=gather, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
                 out += _both("kernels.gemm:routed_linear_kernel", key, args, meta, cfg, archs)
 
         # routed_swiglu_kernel (pointer loads): x gathered through perm -> expert-ordered h.
@@ -161,9 +178,7 @@ def _gemm_variants() -> List[Variant]:
                 ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"),
                 ("stride_am", "i32"), ("stride_w", "i32"), ("stride_hm", "i32")]
         for cfg, archs in configs("routed_swiglu_kernel", fam):
-            bm, bn, bk = cfg["block"]
-            meta = {"GATHER_A": True, "SCATTER_OUT": False, "INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn,
-                    "BLOCK_K": bk, "GROUP_M": cfg["group"]}
+            meta = _tile_meta(cfg, prec, GATHER_A=True, SCATTER_OUT=False)
             out += _both("kernels.gemm:routed_swiglu_kernel", dict(base, gather=1, scatter=0), args, meta, cfg, archs)
 
         # routed_grad_weight_kernel: dW_e (and db_e) written in the input dtype (fp32 accumulation over all rows of
@@ -173,10 +188,8 @@ def _gemm_variants() -> List[Variant]:
                 ("db0_ptr", p), ("db1_ptr", p), ("N", "i32"), ("K", "i32"), ("stride_dym", "i32"),
                 ("stride_xm", "i32"), ("stride_dwn", "i32")]
         for cfg, archs in configs("routed_grad_weight_kernel", fam):
-            bn, bk, br = cfg["block"]
             for dbias in (1, 0):
-                meta = {"GATHER": True, "HAS_DBIAS": bool(dbias), "ACCUMULATE": False, "INPUT_PRECISION": prec,
-                        "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br, "GROUP_N": cfg["group"]}
+                meta = _tile_meta(cfg, prec, _NKR, GATHER=True, HAS_DBIAS=dbias, ACCUMULATE=False)
                 out += _both("kernels.gemm:routed_grad_weight_kernel", dict(base, gather=1, dbias=dbias), args, meta,
                              cfg, archs)
 
@@ -190,8 +203,7 @@ def _gemm_variants() -> List[Variant]:
                 args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w_desc", f"tensordesc<{dt}[{wblock}]>"),
                         ("bias0_ptr", p), ("bias1_ptr", p), ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"),
                         ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_om", "i32")]
-                meta = {"HAS_BIAS": bool(bias), "SCATTER_OUT": bool(scatter), "W_TRANSPOSED": bool(wt),
-                        "INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": cfg["group"]}
+                meta = _tile_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
                 out += _both("kernels.gemm:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
                              args, meta, cfg, archs)
 
@@ -203,8 +215,7 @@ def _gemm_variants() -> List[Variant]:
                     ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"),
                     ("K", "i32"), ("stride_am", "i32"), ("stride_om", "i32")]
             for bias in (1, 0):
-                meta = {"HAS_BIAS": bool(bias), "INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                        "GROUP_M": cfg["group"]}
+                meta = _tile_meta(cfg, prec, HAS_BIAS=bias)
                 out += _both("kernels.gemm:routed_linear_gather_tma_kernel", dict(base, bias=bias), args, meta, cfg,
                              archs)
 
@@ -215,7 +226,7 @@ def _gemm_variants() -> List[Variant]:
                     ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
                     ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_am", "i32"),
                     ("stride_hm", "i32")]
-            meta = {"INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": cfg["group"]}
+            meta = _tile_meta(cfg, prec)
             out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel", dict(base), args, meta, cfg, archs)
 
         # routed_grad_weight_tma_kernel (sm_90): expert-ordered dy / x through [BR, BN] / [BR, BK] descriptors.
@@ -224,7 +235,7 @@ def _gemm_variants() -> List[Variant]:
             args = [("dy_desc", f"tensordesc<{dt}[{br}, {bn}]>"), ("x_desc", f"tensordesc<{dt}[{br}, {bk}]>"),
                     ("seg_ptr", "*i32"), ("dw0_ptr", p), ("dw1_ptr", p), ("N", "i32"), ("K", "i32"),
                     ("stride_dwn", "i32")]
-            meta = {"INPUT_PRECISION": prec, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_R": br, "GROUP_N": cfg["group"]}
+            meta = _tile_meta(cfg, prec, _NKR)
             out += _both("kernels.gemm:routed_grad_weight_tma_kernel", dict(base), args, meta, cfg, archs)
 
         # routed_swiglu_tma_kernel (sm_90): expert-ordered x -> expert-ordered h (no fp32-ieee variant).
@@ -233,8 +244,7 @@ def _gemm_variants() -> List[Variant]:
             args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w1_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
                     ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
                     ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32")]
-            meta = {"SCATTER_OUT": False, "INPUT_PRECISION": prec, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                    "GROUP_M": cfg["group"]}
+            meta = _tile_meta(cfg, prec, SCATTER_OUT=False)
             out += _both("kernels.gemm:routed_swiglu_tma_kernel", dict(base, scatter=0), args, meta, cfg, archs)
     return out
 
