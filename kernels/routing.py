@@ -13,14 +13,18 @@ host synchronisation:
 M_pad = (cdiv(M, ALIGN) + 1) * ALIGN depends only on M (fixed grid sizes, CUDA-graph capturable):
 ceil(c0/A) + ceil(c1/A) <= ceil(M/A) + 1 tiles are always enough.
 
-Two kernels:
-  routing_count_kernel   grid (NB,)  NB = max(1, cdiv(M, CHUNK))  -> block_counts int32 [NB, 2]
-  routing_scatter_kernel grid (NB,)                               -> perm, seg
+Kernels:
+  routing_one_block_kernel  grid (1,)  M <= ONE_BLOCK                  -> perm, seg (one launch)
+  routing_count_kernel      grid (NB,) NB = max(1, cdiv(M, CHUNK))     -> block_counts int32 [NB, 2]
+  routing_scatter_kernel    grid (NB,) after the count kernel          -> perm, seg
+  routing_single_kernel     grid (cdiv(M_pad, BLOCK),) one expert      -> perm = arange, seg
 """
 import triton
 import triton.language as tl
 
 NUM_EXPERTS = 2
+ONE_BLOCK = 4096  # routing_one_block_kernel's BLOCK: masks of up to this many rows are routed in one launch
+SINGLE_BLOCK = 1024  # routing_single_kernel's BLOCK
 
 
 def padded_rows(M: int, align: int) -> int:
@@ -46,6 +50,38 @@ def routing_count_kernel(mask_ptr, block_counts_ptr, M, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _scatter_rows(mask_ptr, perm_ptr, offs, M, base0, base1, start1):
+    """Stable scatter of the rows `offs` (one block): expert 0's rows go to base0 + their rank among this block's
+    expert-0 rows, expert 1's to start1 + base1 + rank."""
+    valid = offs < M
+    m = tl.load(mask_ptr + offs, mask=valid, other=0)
+    is1 = (m != 0) & valid
+    is0 = (m == 0) & valid
+    pos0 = base0 + tl.cumsum(is0.to(tl.int32), axis=0) - 1
+    pos1 = start1 + base1 + tl.cumsum(is1.to(tl.int32), axis=0) - 1
+    tl.store(perm_ptr + tl.where(is1, pos1, pos0), offs, mask=valid)
+
+
+@triton.jit
+def _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN: tl.constexpr):
+    """With the expert totals t0, t1: the -1 padding entries of perm and seg (one program does this)."""
+    start1 = ((t0 + ALIGN - 1) // ALIGN) * ALIGN
+    end = start1 + ((t1 + ALIGN - 1) // ALIGN) * ALIGN
+    # Padding of segment 0: [t0, start1) (< ALIGN entries).
+    p = t0 + tl.arange(0, ALIGN)
+    tl.store(perm_ptr + p, tl.full([ALIGN], -1, tl.int32), mask=p < start1)
+    # Padding of segment 1 and the unused tail: [start1 + t1, M_pad) (< 2*ALIGN entries).
+    for s in range(start1 + t1, M_pad, ALIGN):
+        p2 = s + tl.arange(0, ALIGN)
+        tl.store(perm_ptr + p2, tl.full([ALIGN], -1, tl.int32), mask=p2 < M_pad)
+    tl.store(seg_ptr + 0, t0 * 0)
+    tl.store(seg_ptr + 1, start1)
+    tl.store(seg_ptr + 2, end)
+    tl.store(seg_ptr + 3, t0)
+    tl.store(seg_ptr + 4, t1)
+
+
+@triton.jit
 def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_pad, num_blocks,
                            CHUNK: tl.constexpr, ALIGN: tl.constexpr):
     pid = tl.program_id(0)
@@ -64,58 +100,78 @@ def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_p
         base1 += tl.where(before, c1, 0)
         tot0 += c0
         tot1 += c1
-    b0s = tl.sum(base0, axis=0)
-    b1s = tl.sum(base1, axis=0)
     t0 = tl.sum(tot0, axis=0)
     t1 = tl.sum(tot1, axis=0)
     start1 = ((t0 + ALIGN - 1) // ALIGN) * ALIGN
-    end = start1 + ((t1 + ALIGN - 1) // ALIGN) * ALIGN
+    _scatter_rows(mask_ptr, perm_ptr, pid * CHUNK + tl.arange(0, CHUNK), M, tl.sum(base0, axis=0),
+                  tl.sum(base1, axis=0), start1)
+    if pid == 0:
+        _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
 
-    # Stable scatter of this block's rows.
-    offs = pid * CHUNK + tl.arange(0, CHUNK)
+
+@triton.jit
+def routing_one_block_kernel(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """Both routing steps in one program for M <= BLOCK: one launch instead of two (decode and prefill up to BLOCK
+    tokens; the launches are a visible part of a decode step)."""
+    offs = tl.arange(0, BLOCK)
     valid = offs < M
     m = tl.load(mask_ptr + offs, mask=valid, other=0)
-    is1 = (m != 0) & valid
-    is0 = (m == 0) & valid
-    pos0 = b0s + tl.cumsum(is0.to(tl.int32), axis=0) - 1
-    pos1 = start1 + b1s + tl.cumsum(is1.to(tl.int32), axis=0) - 1
-    pos = tl.where(is1, pos1, pos0)
-    tl.store(perm_ptr + pos, offs, mask=valid)
+    t1 = tl.sum(((m != 0) & valid).to(tl.int32), axis=0)
+    t0 = tl.sum(valid.to(tl.int32), axis=0) - t1
+    _scatter_rows(mask_ptr, perm_ptr, offs, M, t0 * 0, t1 * 0, ((t0 + ALIGN - 1) // ALIGN) * ALIGN)
+    _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
 
+
+@triton.jit
+def routing_single_kernel(perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """One expert (every row is expert 0): perm = [0, 1, .., M-1, -1, ..] over M_pad entries and
+    seg = [0, end, end, M, 0] with end = roundup(M, ALIGN). Grid (cdiv(M_pad, BLOCK),)."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    tl.store(perm_ptr + offs, tl.where(offs < M, offs, -1), mask=offs < M_pad)
     if pid == 0:
-        # Padding of segment 0: [t0, start1) (< ALIGN entries).
-        p = t0 + tl.arange(0, ALIGN)
-        tl.store(perm_ptr + p, tl.full([ALIGN], -1, tl.int32), mask=p < start1)
-        # Padding of segment 1 and the unused tail: [start1 + t1, M_pad) (< 2*ALIGN entries).
-        for s in range(start1 + t1, M_pad, ALIGN):
-            p2 = s + tl.arange(0, ALIGN)
-            tl.store(perm_ptr + p2, tl.full([ALIGN], -1, tl.int32), mask=p2 < M_pad)
-        tl.store(seg_ptr + 0, t0 * 0)
-        tl.store(seg_ptr + 1, start1)
+        end = ((M + ALIGN - 1) // ALIGN) * ALIGN
+        tl.store(seg_ptr + 0, M * 0)
+        tl.store(seg_ptr + 1, end)
         tl.store(seg_ptr + 2, end)
-        tl.store(seg_ptr + 3, t0)
-        tl.store(seg_ptr + 4, t1)
+        tl.store(seg_ptr + 3, M)
+        tl.store(seg_ptr + 4, M * 0)
 
 
-def route(mask, align: int = 128, chunk: int = 1024, perm=None, seg=None):
+def route(mask, align: int = 128, chunk: int = 1024, one_block: int = ONE_BLOCK, perm=None, seg=None):
     """Python launcher (JIT / interpreter use).  mask: bool/int8/uint8 [M] on the target device.
 
-    Returns (perm int32 [M_pad], seg int32 [5]).  No host synchronisation.
+    M <= one_block: routing_one_block_kernel (BLOCK = one_block, a power of 2); else the two-kernel pass with
+    `chunk`. Returns (perm int32 [M_pad], seg int32 [5]).  No host synchronisation.
     """
     import torch
     M = mask.shape[0]
     if mask.dtype == torch.bool:
         mask = mask.view(torch.int8)
     M_pad = padded_rows(M, align)
-    nb = num_route_blocks(M, chunk)
     dev = mask.device
     if perm is None:
         perm = torch.empty(M_pad, dtype=torch.int32, device=dev)
     if seg is None:
         seg = torch.empty(5, dtype=torch.int32, device=dev)
-    counts = torch.empty(nb * 2, dtype=torch.int32, device=dev)
     if M == 0:  # keep a valid pointer for the (fully masked) mask loads
         mask = torch.zeros(1, dtype=torch.int8, device=dev)
+    if one_block and M <= one_block:  # one_block = 0: always the two-kernel pass
+        routing_one_block_kernel[(1, )](mask, perm, seg, M, M_pad, BLOCK=one_block, ALIGN=align, num_warps=8)
+        return perm, seg
+    nb = num_route_blocks(M, chunk)
+    counts = torch.empty(nb * 2, dtype=torch.int32, device=dev)
     routing_count_kernel[(nb, )](mask, counts, M, CHUNK=chunk)
     routing_scatter_kernel[(nb, )](mask, counts, perm, seg, M, M_pad, nb, CHUNK=chunk, ALIGN=align)
+    return perm, seg
+
+
+def route_single(M: int, device, align: int = 128, block: int = SINGLE_BLOCK):
+    """One expert: (perm, seg) with perm = arange(M) then -1 up to M_pad = max(roundup(M, align), align) (the
+    C++ route_single's sizes). No host synchronisation."""
+    import torch
+    M_pad = max(triton.cdiv(M, align) * align, align)
+    perm = torch.empty(M_pad, dtype=torch.int32, device=device)
+    seg = torch.empty(5, dtype=torch.int32, device=device)
+    routing_single_kernel[(triton.cdiv(M_pad, block), )](perm, seg, M, M_pad, BLOCK=block, ALIGN=align)
     return perm, seg

@@ -36,6 +36,8 @@ namespace routed {
 
 constexpr int64_t kAlign = 128;   // routing ALIGN: every BLOCK_M divides it
 constexpr int64_t kChunk = 1024;  // routing CHUNK
+constexpr int64_t kOneBlock = 4096;   // kernels/routing.py ONE_BLOCK: masks up to this length route in one launch
+constexpr int64_t kSingleBlock = 1024;  // kernels/routing.py SINGLE_BLOCK
 
 // perm int32 [M_pad] and seg int32 [5] = [0, start_1, end, count_0, count_1] on the device (kernels/GEMM.md).
 struct Routing {
@@ -44,10 +46,11 @@ struct Routing {
   bool single = false;  // one expert: every row is expert 0, seg[4] == 0
 };
 
-// Two experts from a bool mask [M] (any shape; flattened) on the device: the two routing kernels, no host sync.
+// Two experts from a bool mask [M] (any shape; flattened) on the device: one routing kernel for M <= kOneBlock, else
+// two (count, scatter); no host sync.
 Routing route(const at::Tensor& mask);
-// One expert: perm = [0, 1, .., M-1, -1, ..] and seg = [0, M_pad, M_pad, M, 0] built with ATen ops on the device
-// (no routing kernel, no host sync), M_pad = roundup(M, kAlign).
+// One expert: perm = [0, 1, .., M-1, -1, ..] and seg = [0, end, end, M, 0], end = roundup(M, kAlign), written by
+// one launch of routing_single_kernel (no host sync), M_pad = max(end, kAlign).
 Routing route_single(int64_t M, const at::Tensor& like);
 
 // Per-op launch context: dtype, precision and device (compute capability, SM count).
