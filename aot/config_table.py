@@ -13,11 +13,14 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
   one family, "all".
 * buckets, in increasing `max_m`; the last has none (no upper bound). `m` is the number of token rows of the call
   (the reduction length for the grad-weight kernels); the runtime takes the first bucket with m <= max_m.
-* `block`, `group` (GROUP_M / GROUP_N), `warps`, `stages`: the meta-parameters compiled in. An optional `why` says
-  where a value comes from.
+* `block`, `group` (GROUP_M / GROUP_N), `warps`, `stages`: the meta-parameters compiled in; `"flatten": true` (the
+  persistent TMA GEMMs only, PERSISTENT below) flattens the loop over tiles into the K loop, so the compiler's
+  pipeline runs across tiles and the next tile's loads overlap this one's epilogue. An optional `why` says where a
+  value comes from.
 * `"off": true` (only for kernels that are an alternative design, OPTIONAL below): the kernel is not used for the
   bucket's m, and the launcher takes the other design (for routed_{linear,swiglu}_gather_tma_kernel: a gather copy,
-  then routed_{linear,swiglu}_tma_kernel). A family without entries for such a kernel also takes the other design.
+  then routed_{linear,swiglu}_tma_kernel; for routed_swiglu_pair_tma_kernel: routed_swiglu_tma_kernel). A family
+  without entries for such a kernel also takes the other design.
 
 aot/manifest.py compiles every distinct config of every table (a variant per config, for the architectures whose
 table lists it); aot/compile.py writes the buckets into the generated C++ table, and csrc/runtime/kernel_configs.cpp
@@ -45,10 +48,16 @@ KERNELS = {
     # the linear forward with A gathered inside the GEMM; families without entries use gather copy + the TMA kernel
     "routed_linear_gather_tma_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
     "routed_swiglu_gather_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
+    # the gate/up GEMM with both weights through one rank-4 descriptor and one MMA of 2 x BLOCK_N columns
+    "routed_swiglu_pair_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
 }
-# kernels whose buckets may be "off" (an alternative design: gather inside the GEMM instead of a gather copy)
-OPTIONAL = {"routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel"}
-_ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "why", "off"}
+# kernels whose buckets may be "off": an alternative design (gather inside the GEMM instead of a gather copy; gate
+# and up in one MMA instead of two), which the launcher takes only where its table says so
+OPTIONAL = {"routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel"}
+# the persistent TMA GEMMs, whose tile loop may be flattened into the K loop ("flatten": true; tl.range(flatten=True))
+PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_linear_gather_tma_kernel",
+              "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel"}
+_ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "flatten", "why", "off"}
 
 
 def family(dtype: str, prec: str) -> str:
@@ -64,7 +73,7 @@ def cfg_str(entry: Dict) -> str:
     s = "x".join(str(b) for b in entry["block"])
     if "group" in entry:
         s += f"_g{entry['group']}"
-    return s + f"_w{entry['warps']}_s{entry['stages']}"
+    return s + f"_w{entry['warps']}_s{entry['stages']}" + ("_f" if entry.get("flatten") else "")
 
 
 def _pow2(v) -> bool:
@@ -129,6 +138,8 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
         fail(f"{at}: 'stages' must be an integer in [1, 8], got {e.get('stages')!r}")
     if name != "rope_kernel" and not (isinstance(e.get("group"), int) and e["group"] >= 1):
         fail(f"{at}: 'group' (GROUP_M / GROUP_N) must be a positive integer")
+    if "flatten" in e and (name not in PERSISTENT or not isinstance(e["flatten"], bool)):
+        fail(f"{at}: 'flatten' is a bool, and only for the persistent kernels ({', '.join(sorted(PERSISTENT))})")
 
 
 def path(arch: int) -> str:
@@ -166,7 +177,7 @@ def dumps(table: Dict) -> str:
         for fi, (fam, bks) in enumerate(items):
             lines.append(f'   "{fam}": [')
             for bi, e in enumerate(bks):
-                order = [k for k in ("max_m", "off", "block", "group", "warps", "stages", "why") if k in e]
+                order = [k for k in ("max_m", "off", "block", "group", "warps", "stages", "flatten", "why") if k in e]
                 body = ", ".join(f'"{k}": {json.dumps(e[k])}' for k in order)
                 lines.append(f"    {{{body}}}" + ("," if bi + 1 < len(bks) else ""))
             lines.append("   ]" + ("," if fi + 1 < len(items) else ""))

@@ -126,6 +126,11 @@ def _tile_meta(cfg, prec, names=_MNK, **flags) -> Dict[str, object]:
     return meta
 
 
+def _persistent_meta(cfg, prec, **flags) -> Dict[str, object]:
+    """_tile_meta of a persistent TMA GEMM: also FLATTEN (config_table.PERSISTENT)."""
+    return dict(_tile_meta(cfg, prec, **flags), FLATTEN=bool(cfg.get("flatten", False)))
+
+
 def _both(kernel, key, args, meta, cfg, archs) -> List[Variant]:
     """The aligned variant first (taken whenever the runtime finds its assumptions hold), then the generic one."""
     key = dict(key, cfg=config_table.cfg_str(cfg))
@@ -133,14 +138,23 @@ def _both(kernel, key, args, meta, cfg, archs) -> List[Variant]:
 
 
 def _routing_variants() -> List[Variant]:
+    from kernels import routing  # the block sizes the Python launchers use are the ones compiled here
+    align = config_table.ROUTING_ALIGN
+    one_block = Variant("kernels.routing:routing_one_block_kernel", {"align": align, "block": routing.ONE_BLOCK},
+                        [("mask_ptr", "*i8"), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M", "i32"),
+                         ("M_pad", "i32")],
+                        {"BLOCK": routing.ONE_BLOCK, "ALIGN": align}, {}, 8, 1, ARCHS)
     count = Variant("kernels.routing:routing_count_kernel", {"chunk": 1024},
                     [("mask_ptr", "*i8"), ("block_counts_ptr", "*i32"), ("M", "i32")], {"CHUNK": 1024}, {},
                     4, 1, ARCHS)
-    scatter = Variant("kernels.routing:routing_scatter_kernel", {"align": 128, "chunk": 1024},
+    scatter = Variant("kernels.routing:routing_scatter_kernel", {"align": align, "chunk": 1024},
                       [("mask_ptr", "*i8"), ("block_counts_ptr", "*i32"), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"),
                        ("M", "i32"), ("M_pad", "i32"), ("num_blocks", "i32")],
-                      {"CHUNK": 1024, "ALIGN": config_table.ROUTING_ALIGN}, {}, 4, 1, ARCHS)
-    return [count, scatter]
+                      {"CHUNK": 1024, "ALIGN": align}, {}, 4, 1, ARCHS)
+    single = Variant("kernels.routing:routing_single_kernel", {"align": align, "block": routing.SINGLE_BLOCK},
+                     [("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M", "i32"), ("M_pad", "i32")],
+                     {"BLOCK": routing.SINGLE_BLOCK, "ALIGN": align}, {}, 4, 1, ARCHS)
+    return [one_block, count, scatter, single]
 
 
 def _gemm_variants() -> List[Variant]:
@@ -203,7 +217,7 @@ def _gemm_variants() -> List[Variant]:
                 args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w_desc", f"tensordesc<{dt}[{wblock}]>"),
                         ("bias0_ptr", p), ("bias1_ptr", p), ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"),
                         ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_om", "i32")]
-                meta = _tile_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
+                meta = _persistent_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
                 out += _both("kernels.gemm:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
                              args, meta, cfg, archs)
 
@@ -215,7 +229,7 @@ def _gemm_variants() -> List[Variant]:
                     ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"),
                     ("K", "i32"), ("stride_am", "i32"), ("stride_om", "i32")]
             for bias in (1, 0):
-                meta = _tile_meta(cfg, prec, HAS_BIAS=bias)
+                meta = _persistent_meta(cfg, prec, HAS_BIAS=bias)
                 out += _both("kernels.gemm:routed_linear_gather_tma_kernel", dict(base, bias=bias), args, meta, cfg,
                              archs)
 
@@ -226,7 +240,7 @@ def _gemm_variants() -> List[Variant]:
                     ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
                     ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_am", "i32"),
                     ("stride_hm", "i32")]
-            meta = _tile_meta(cfg, prec)
+            meta = _persistent_meta(cfg, prec)
             out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel", dict(base), args, meta, cfg, archs)
 
         # routed_grad_weight_tma_kernel (sm_90): expert-ordered dy / x through [BR, BN] / [BR, BK] descriptors.
@@ -244,8 +258,17 @@ def _gemm_variants() -> List[Variant]:
             args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w1_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
                     ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
                     ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32")]
-            meta = _tile_meta(cfg, prec, SCATTER_OUT=False)
+            meta = _persistent_meta(cfg, prec, SCATTER_OUT=False)
             out += _both("kernels.gemm:routed_swiglu_tma_kernel", dict(base, scatter=0), args, meta, cfg, archs)
+
+        # routed_swiglu_pair_tma_kernel (sm_90): gate and up through one rank-4 descriptor [2, E, I, H], one MMA.
+        for cfg, archs in configs("routed_swiglu_pair_tma_kernel", fam):
+            bm, bn, bk = cfg["block"]
+            args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w13_desc", f"tensordesc<{dt}[2, 1, {bn}, {bk}]>"),
+                    ("h_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"),
+                    ("K", "i32"), ("stride_hm", "i32"), ("up_first", "i32")]
+            out += _both("kernels.gemm:routed_swiglu_pair_tma_kernel", dict(base), args, _persistent_meta(cfg, prec),
+                         cfg, archs)
     return out
 
 

@@ -11,7 +11,9 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
   keep their table entries.
 * shapes: m (token rows; the reduction length for grad-weight) from --ms, times the projections of Llama-style
   models (--models: hidden / intermediate sizes of Llama-2 7B, 13B and 70B): linear N x K = H x H and H x I, swiglu
-  I x H, grad-weight H x H and I x H. 50% random routing mask (both experts busy).
+  I x H, grad-weight H x H and I x H. 50% random routing mask (both experts busy); for m <= SINGLE_MAX_M the
+  linear and gate/up kernels are also measured with one expert (the Llama MLP's routing: perm = arange, x read in
+  place; shapes named "..._single"), and a bucket's winner is the best over both routings.
 * candidates: CANDIDATES below plus every config the current table already uses for the kernel (so "default" is
   always measured next to the winner).
 * each (shape, candidate) is checked once against a float64 reference on sampled rows / columns before it is timed,
@@ -23,7 +25,8 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
   that m wins, unless the table's current config is within 2% of it (KEEP_MARGIN: measurement noise does not churn
   the table); neighbouring m with the same winner merge into one bucket (max_m = the largest m measured in it; the
   last bucket is open-ended). Kernels and families not measured keep their entries. The table is validated.
-  --offline redoes this from a result file without a GPU.
+  --offline redoes this from a result file without a GPU. --keep OLD.jsonl adds an earlier run's measurements of the
+  m this run does not measure, so a partial re-tune (say --ms 1,4,16,64) rewrites the whole bucket list.
 """
 import argparse
 import datetime
@@ -44,18 +47,28 @@ from benchmarks import common  # noqa: E402
 DEV = "cuda"
 DTYPE = torch.bfloat16  # what the "half" family is measured with
 MODELS = {"7b": (4096, 11008), "13b": (5120, 13824), "70b": (8192, 28672)}  # Llama-2: hidden, intermediate
+SINGLE_MAX_M = 64  # up to this m, linear and swiglu are measured with one expert too (decode of the Llama MLP)
+# the ops a single-expert call runs (the gather-inside designs serve two experts only)
+SINGLE_OPS = ("linear", "swiglu", "swiglu_pair")
 
 # (block, group, warps, stages) candidates per kernel. TMA GEMMs: 128-row tiles (the routing alignment) or 64 for
 # decode, wide N for the large-m case (what cuBLAS uses on Hopper), narrow N / more stages for decode (more CTAs to
 # stream the weights). Pointer GEMMs: Triton's Ampere configs that fit 99 KiB of shared memory.
+# 16- and 32-row tiles: decode, where the A tile is nearly all padding and shared memory is better spent on more
+# stages of W.
+_TMA_DECODE = [((16, 64, 128), 8, 4, 6), ((16, 64, 128), 8, 4, 8), ((16, 32, 256), 8, 4, 4),
+               ((16, 128, 128), 8, 4, 4), ((32, 64, 128), 8, 4, 6), ((16, 64, 256), 8, 4, 4)]
 _TMA_LINEAR = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128, 64), 8, 8, 4),
                ((128, 128, 64), 8, 4, 4), ((128, 128, 128), 8, 8, 3), ((128, 64, 64), 8, 4, 4),
                ((64, 64, 128), 8, 4, 4), ((64, 128, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
                ((64, 32, 128), 8, 4, 6), ((64, 64, 128), 8, 4, 6), ((64, 32, 256), 8, 4, 3),
-               ((128, 32, 128), 8, 4, 4)]
+               ((128, 32, 128), 8, 4, 4), ((128, 256, 64), 8, 8, 3, True), ((128, 256, 64), 8, 8, 4, True),
+               ((128, 128, 128), 8, 8, 3, True)] + _TMA_DECODE
 _TMA_SWIGLU = [((128, 128, 64), 8, 8, 3), ((128, 128, 64), 8, 8, 4), ((128, 64, 64), 8, 4, 4),
                ((128, 64, 64), 8, 8, 4), ((64, 64, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
-               ((64, 32, 64), 8, 4, 6), ((128, 32, 64), 8, 4, 4), ((64, 64, 128), 8, 4, 4)]
+               ((64, 32, 64), 8, 4, 6), ((128, 32, 64), 8, 4, 4), ((64, 64, 128), 8, 4, 4),
+               ((16, 64, 128), 8, 4, 4), ((16, 64, 128), 8, 4, 6), ((16, 128, 64), 8, 4, 6),
+               ((32, 64, 128), 8, 4, 4), ((128, 128, 64), 8, 8, 3, True), ((128, 128, 64), 8, 8, 4, True)]
 _TMA_GRAD_W = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128, 64), 8, 8, 4),
                ((128, 128, 64), 8, 4, 4), ((256, 128, 64), 8, 8, 3), ((64, 128, 64), 8, 4, 4)]
 _PTR_GEMM = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 4, 4), ((128, 64, 64), 8, 4, 4),
@@ -65,11 +78,13 @@ _PTR_GRAD_W = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 8, 4), ((64, 128, 
 _ROPE = [((bh, 64, 128), None, w, 1) for bh in (8, 16, 32) for w in (1, 2, 4, 8)]
 
 
-def _entry(block, group, warps, stages):
+def _entry(block, group, warps, stages, flatten=False):
     e = {"block": list(block)}
     if group is not None:
         e["group"] = group
     e.update(warps=warps, stages=stages)
+    if flatten:
+        e["flatten"] = True
     return e
 
 
@@ -90,7 +105,9 @@ def kernels_for(cc):
                 "grad_weight": ("routed_grad_weight_tma_kernel", _TMA_GRAD_W), "rope": ("rope_kernel", _ROPE),
                 # the other forward design: A gathered inside the GEMM instead of a gather copy (measure with linear)
                 "linear_gather": ("routed_linear_gather_tma_kernel", _TMA_LINEAR),
-                "swiglu_gather": ("routed_swiglu_gather_tma_kernel", _TMA_SWIGLU)}
+                "swiglu_gather": ("routed_swiglu_gather_tma_kernel", _TMA_SWIGLU),
+                # gate and up through one descriptor and one MMA of 2 BN columns (measure with swiglu)
+                "swiglu_pair": ("routed_swiglu_pair_tma_kernel", _TMA_SWIGLU)}
     return {"linear": ("routed_linear_kernel", _PTR_GEMM), "swiglu": ("routed_swiglu_kernel", _PTR_GEMM),
             "grad_weight": ("routed_grad_weight_kernel", _PTR_GRAD_W), "rope": ("rope_kernel", _ROPE)}
 
@@ -106,14 +123,19 @@ def _rel(out, ref):
 class Problem:
     """One shape of one op: inputs (rotated past the L2), a reference check and a timed call per config."""
 
-    def __init__(self, op, kernel, m, n, k):
+    def __init__(self, op, kernel, m, n, k, routing="dual"):
         from kernels import gemm
-        from kernels.routing import route
+        from kernels.routing import route, route_single
         self.op, self.kernel, self.m, self.n, self.k = op, kernel, m, n, k
         self.gemm, dt = gemm, DTYPE
         self.tma = kernel.endswith("_tma_kernel")
-        self.mask = torch.rand(m, device=DEV) < 0.5
-        self.perm, self.seg = route(self.mask)
+        self.single = routing == "single"
+        if self.single:  # what the ffn without a mask runs: every row expert 0, x read in place (no gather copy)
+            self.mask = torch.zeros(m, dtype=torch.bool, device=DEV)
+            self.perm, self.seg = route_single(m, DEV)
+        else:
+            self.mask = torch.rand(m, device=DEV) < 0.5
+            self.perm, self.seg = route(self.mask)
         valid = self.perm >= 0
         self.rows = self.perm[valid].long()  # token of each valid expert-ordered row
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -122,22 +144,27 @@ class Problem:
             self.w = g(2, n, k, scale=k ** -0.5)
             make = lambda: (g(m, k), )  # noqa: E731
             nbytes = m * k * 2
-        elif op in ("swiglu", "swiglu_gather"):
+        elif op in ("swiglu", "swiglu_gather", "swiglu_pair"):
             self.w1, self.w3 = g(2, n, k, scale=k ** -0.5), g(2, n, k, scale=k ** -0.5)
+            if op == "swiglu_pair":
+                self.w13 = torch.stack([self.w1, self.w3])
             make = lambda: (g(m, k), )  # noqa: E731
             nbytes = m * k * 2
         else:  # grad_weight: dW_e [n, k] = dy_eᵀ x_e over m rows
             make = lambda: (g(m, n), g(m, k))  # noqa: E731
             nbytes = m * (n + k) * 2
         self.sets = [self._prepare(make()) for _ in range(common.rotation_count(nbytes))]
-        self.flops = 2 * m * n * k * (2 if op in ("swiglu", "swiglu_gather") else 1)
+        self.flops = 2 * m * n * k * (2 if op.startswith("swiglu") else 1)
 
     def _gather(self, t):
         out = torch.empty(self.perm.shape[0], t.shape[1], device=DEV, dtype=t.dtype)
         return self.gemm.launch_gather_rows(t, out, self.perm)
 
     def _prepare(self, tensors):
-        """The operands as the production launcher hands them to this kernel (gathered for TMA, token order else)."""
+        """The operands as the production launcher hands them to this kernel (gathered for TMA, token order else; one
+        expert's x in place)."""
+        if self.single:
+            return tensors + tensors
         if self.tma:
             return tensors + tuple(self._gather(t) for t in tensors)
         return tensors
@@ -146,31 +173,36 @@ class Problem:
         """Launches the kernel with config cfg on one input set; returns what to check."""
         bm_or_bn, b1, b2 = cfg["block"]
         gm, w, s = cfg.get("group", 8), cfg["warps"], cfg["stages"]
+        fl = {"FLATTEN": bool(cfg.get("flatten"))} if self.tma and self.op != "grad_weight" else {}
         G = self.gemm
         if self.op == "linear_gather":
             G.launch_routed_linear_gather_tma(args[0], self.w, None, None, self.out, self.perm, self.seg, BM=bm_or_bn,
-                                              BN=b1, BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w,
+                                              BN=b1, BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl,
                                               num_stages=s)
             return self.out
         if self.op == "linear":
             out = self.out
             if self.tma:
                 G.launch_routed_linear_tma(args[1], self.w, None, None, out, self.perm, self.seg, BM=bm_or_bn, BN=b1,
-                                           BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, num_stages=s)
+                                           BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s)
             else:
                 G.launch_routed_linear(args[0], self.w[0], self.w[1], None, None, out, self.perm, self.seg, self.n,
                                        self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w, num_stages=s)
             return out
         if self.op == "swiglu_gather":
             G.launch_routed_swiglu_gather_tma(args[0], self.w1, self.w3, self.out, self.perm, self.seg, BM=bm_or_bn,
-                                              BN=b1, BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w,
+                                              BN=b1, BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl,
                                               num_stages=s)
+            return self.out
+        if self.op == "swiglu_pair":
+            G.launch_routed_swiglu_pair_tma(args[1], self.w13, self.out, self.perm, self.seg, BM=bm_or_bn, BN=b1,
+                                            BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s)
             return self.out
         if self.op == "swiglu":
             h = self.out
             if self.tma:
                 G.launch_routed_swiglu_tma(args[1], self.w1, self.w3, h, self.perm, self.seg, BM=bm_or_bn, BN=b1,
-                                           BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, num_stages=s)
+                                           BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s)
             else:
                 G.launch_routed_swiglu(args[0], self.w1[0], self.w1[1], self.w3[0], self.w3[1], h, self.perm,
                                        self.seg, self.n, self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w,
@@ -196,7 +228,7 @@ class Problem:
             cols = torch.randperm(self.k, device=DEV)[:64]
             dy, x = a[0].double(), a[1][:, cols].double()
             return max(_rel(dw0[:, cols], (dy * (1 - m1)).T @ x), _rel(dw1[:, cols], (dy * m1).T @ x))
-        swiglu = self.op in ("swiglu", "swiglu_gather")
+        swiglu = self.op.startswith("swiglu")
         shape = (self.perm.shape[0], self.n) if swiglu else (self.m, self.n)
         self.out = torch.full(shape, float("nan"), device=DEV, dtype=DTYPE)
         got = self.run(cfg, a)
@@ -226,7 +258,7 @@ class Problem:
         a = self.sets[0]
         if self.op in ("linear", "linear_gather"):
             return common.bench(lambda t: torch.nn.functional.linear(t, self.w[0]), args=[(a[0], )], warmup=5, rep=rep)
-        if self.op in ("swiglu", "swiglu_gather"):
+        if self.op.startswith("swiglu"):
             w13 = torch.cat([self.w1[0], self.w3[0]])
             return common.bench(lambda t: torch.nn.functional.linear(t, w13), args=[(a[0], )], warmup=5, rep=rep)
         return common.bench(lambda dy, x: dy.T @ x, args=[(a[0], a[1])], warmup=5, rep=rep)
@@ -290,6 +322,7 @@ class RopeProblem:
 
 # ------------------------------------------------------------------------------------------------------ the search
 def shapes(op, ms, models):
+    """(m, n, k, routing) per measurement of op; routing "dual" (50% random mask) or "single" (one expert)."""
     if op == "rope":
         return list(RopeProblem.CASES)
     out = []
@@ -297,13 +330,17 @@ def shapes(op, ms, models):
         for name in models:
             H, I = MODELS[name]
             nk = {"linear": [(H, H), (H, I)], "linear_gather": [(H, H), (H, I)], "swiglu": [(I, H)],
-                  "swiglu_gather": [(I, H)], "grad_weight": [(H, H), (I, H)]}[op]
-            out += [(m, n, k) for n, k in nk]
+                  "swiglu_gather": [(I, H)], "swiglu_pair": [(I, H)], "grad_weight": [(H, H), (I, H)]}[op]
+            out += [(m, n, k, "dual") for n, k in nk]
+            if op in SINGLE_OPS and m <= SINGLE_MAX_M:
+                out += [(m, n, k, "single") for n, k in nk]
     return list(dict.fromkeys(out))
 
 
 def shape_str(op, shape):
-    return shape if op == "rope" else "M{}_N{}_K{}".format(*shape)
+    if op == "rope":
+        return shape
+    return "M{}_N{}_K{}".format(*shape[:3]) + ("_single" if shape[3] == "single" else "")
 
 
 def candidates(kernel, cands, table):
@@ -313,7 +350,7 @@ def candidates(kernel, cands, table):
     for e in ct.buckets(table, kernel, fam):
         if e.get("off"):
             continue
-        e = {k: v for k, v in e.items() if k in ("block", "group", "warps", "stages")}
+        e = {k: v for k, v in e.items() if k in ("block", "group", "warps", "stages", "flatten")}
         out.setdefault(ct.cfg_str(e), e)
     return fam, out
 
@@ -383,6 +420,8 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc):
 
 
 GATHER_DESIGNS = {"linear_gather": "linear", "swiglu_gather": "swiglu"}  # design op -> the gather-copy design's op
+# every alternative-design op -> the op of the design it replaces where it wins
+ALTERNATIVES = dict(GATHER_DESIGNS, swiglu_pair="swiglu")
 REFERENCES = ("cuBLAS", "gather copy")  # measured next to the candidates, never candidates themselves
 KEEP_MARGIN = 1.02  # a challenger must beat the table's current config by 2% (geomean) to replace it: no noise churn
 
@@ -415,18 +454,19 @@ def winners(done, kernel, ms_list, incumbent=None):
 
 
 def _design_choice(done, win, new_table, kmap, op):
-    """For a gather-inside-the-GEMM kernel: per m, keep its winner only where it beats the other design, a gather
-    copy plus the TMA kernel with the config the new table gives that m (geometric mean over the shapes); elsewhere
-    "off"."""
-    tma_kernel = kmap[GATHER_DESIGNS[op]][0]
+    """For an alternative-design kernel: per m, keep its winner only where it beats the design it replaces, with the
+    config the new table gives that m (geometric mean over the shapes); elsewhere "off". The design a gather-inside
+    kernel replaces is a gather copy plus the TMA kernel; the paired gate/up kernel replaces the TMA kernel alone."""
+    tma_kernel = kmap[ALTERNATIVES[op]][0]
+    copy = op in GATHER_DESIGNS
     out = {}
     for m, (cfg, score, per_shape) in win.items():
         ratios = []
         for sstr, ms in per_shape.items():
             other = ct.cfg_str(ct.pick(new_table, tma_kernel, "half", m))
             t = done.get((tma_kernel, sstr, other), {}).get("ms")
-            gc = done.get((kmap[op][0], sstr, "gather copy"), {}).get("ms")
-            if not (t and gc):
+            gc = done.get((kmap[op][0], sstr, "gather copy"), {}).get("ms") if copy else 0.0
+            if not t or gc is None:
                 ratios = None
                 break
             ratios.append(ms / (t + gc))
@@ -435,7 +475,8 @@ def _design_choice(done, win, new_table, kmap, op):
             out[m] = ("off", None, {})
             continue
         g = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        print(f"[tune] {op} m={m}: {g:.3f}x the time of gather copy + TMA kernel -> {'on' if g < 1 else 'off'}")
+        other_s = "gather copy + TMA kernel" if copy else tma_kernel
+        print(f"[tune] {op} m={m}: {g:.3f}x the time of {other_s} -> {'on' if g < 1 else 'off'}")
         out[m] = (cfg, score, per_shape) if g < 1 else ("off", None, {})
     return out
 
@@ -447,6 +488,14 @@ def _incumbent(table, kernel, fam):
         except KeyError:
             return None
     return cur
+
+
+def merge_kept(done, kept, ms_list, kernels):
+    """--keep: this run's measurements plus the earlier run's records of `kernels` at the m this run did not measure
+    (its records at this run's m are dropped: they may predate a kernel change). Returns (done, m list)."""
+    kept = {key: r for key, r in kept.items() if key[0] in kernels and r.get("m") not in ms_list}
+    ms = sorted(set(ms_list) | {r["m"] for r in kept.values() if r.get("m") is not None})
+    return {**kept, **done}, ms
 
 
 def triton_version():
@@ -485,7 +534,8 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv):
             if ct.cfg_str(b) in why:
                 b["why"] = why[ct.cfg_str(b)]
         new["kernels"].setdefault(kernel, {})[fam] = [
-            {k: b[k] for k in ("max_m", "off", "block", "group", "warps", "stages", "why") if k in b} for b in buckets]
+            {k: b[k] for k in ("max_m", "off", "block", "group", "warps", "stages", "flatten", "why") if k in b}
+            for b in buckets]
     tv = sorted({r.get("triton", "?") for r in done.values()})
     how = f"`python -m aot.tune {' '.join(argv)}`"
     if "--offline" in argv:
@@ -538,6 +588,8 @@ def main():
     p.add_argument("--write", default=None, help="write the winners into this config table (aot/configs/sm<cc>.json)")
     p.add_argument("--rep", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new shapes after this many seconds")
+    p.add_argument("--keep", default=None,
+                   help="an earlier result file whose measurements of the m not measured now join this run's")
     p.add_argument("--offline", action="store_true",
                    help="measure nothing: rebuild the report and --write from the --results file (no GPU needed)")
     a = p.parse_args()
@@ -567,6 +619,8 @@ def main():
         done = load_results(results, device)
     else:
         done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc)
+    if a.keep:
+        done, ms_list = merge_kept(done, load_results(a.keep, device), ms_list, {kernels_for(cc)[o][0] for o in ops})
     report(done, ops, ms_list, table, cc)
     if a.write:
         write_table(a.write, table, done, ops, ms_list, cc, device, sys.argv[1:])

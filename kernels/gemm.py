@@ -37,6 +37,32 @@ def _tile_mn(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _row_tiles(seg_ptr, BLOCK_M: tl.constexpr, WHOLE_SEGMENTS: tl.constexpr):
+    """The row tiles a persistent routed kernel walks: (start1, t0, num_pid_m). Tiles [0, t0) are expert 0's (rows
+    from 0), tiles [t0, num_pid_m) expert 1's (rows from start1 = seg[1]).
+    WHOLE_SEGMENTS: every tile of both padded segments, up to end = seg[2] (for an expert-ordered output whose padding
+    rows later kernels read, e.g. as the zero rows of the grad-weight). Otherwise only the tiles that hold rows,
+    cdiv(count_e, BLOCK_M) per expert: a decode step of one token is one row tile, not ALIGN / BLOCK_M of them."""
+    start1 = tl.load(seg_ptr + 1)
+    if WHOLE_SEGMENTS:
+        t0 = start1 // BLOCK_M
+        num_pid_m = tl.load(seg_ptr + 2) // BLOCK_M
+    else:
+        t0 = tl.cdiv(tl.load(seg_ptr + 3), BLOCK_M)
+        num_pid_m = t0 + tl.cdiv(tl.load(seg_ptr + 4), BLOCK_M)
+    return start1, t0, num_pid_m
+
+
+@triton.jit
+def _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row0, expert, pid_n) of tile number `tile` of a persistent walk over _row_tiles' row tiles."""
+    pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
+    e = (pid_m >= t0).to(tl.int32)
+    row0 = tl.where(pid_m >= t0, start1 + (pid_m - t0) * BLOCK_M, pid_m * BLOCK_M)
+    return row0, e, pid_n
+
+
+@triton.jit
 def _tile_rows(perm_ptr, row0, BLOCK_M: tl.constexpr):
     """perm entries of the tile -> (original row as int64 clamped to >= 0, valid mask)."""
     offs_r = row0 + tl.arange(0, BLOCK_M)
@@ -193,6 +219,8 @@ def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, p
 # ----------------------------------------------------------------------------------------------
 # (b) Hopper TMA kernels: A = expert-ordered padded buffer, A and W through host descriptors.
 #     Persistent: grid = min(#SMs, num_tiles); each program walks tiles pid, pid + nprog, ...
+#     FLATTEN (a config's "flatten"): the tile loop is flattened into the K loop (tl.range(flatten=True)), so the
+#     software pipeline runs across tiles and the next tile's first loads overlap this tile's epilogue.
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def gather_rows_kernel(src_ptr, dst_ptr, perm_ptr, M_pad, C, stride_src, stride_dst,
@@ -234,33 +262,25 @@ def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm
                              HAS_BIAS: tl.constexpr, SCATTER_OUT: tl.constexpr,
                              W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr):
+                             GROUP_M: tl.constexpr,
+                             FLATTEN: tl.constexpr):
     """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
-    (W_TRANSPOSED: [2, K, N] block [1, BK, BN]).  Persistent over the cdiv(end, BM) x cdiv(N, BN) tiles that hold
-    rows (end = seg[2] <= M_pad, read on the device)."""
+    (W_TRANSPOSED: [2, K, N] block [1, BK, BN]).  Persistent over the row tiles of _row_tiles x cdiv(N, BN): with
+    SCATTER_OUT only the tiles that hold rows, else every tile below end = seg[2] (an expert-ordered output is written
+    up to end, padding rows included)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1 = tl.load(seg_ptr + 1)
-    end = tl.load(seg_ptr + 2)
-    # Only tiles below `end` are enumerated, so every program's share is real work. (Enumerating all M_pad / BM row
-    # tiles and skipping the empty ones starved decode: with 1 token, the real tiles all fell to the few programs
-    # whose pid matched their row tile, e.g. 33 of 132 with BM = 64.)
-    num_pid_m = tl.cdiv(end, BLOCK_M)
+    start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, SCATTER_OUT == False)  # noqa: E712
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    for tile in range(pid, num_tiles, nprog):
-        pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
-        row0 = pid_m * BLOCK_M
-        if row0 < end:
-            e = (row0 >= start1).to(tl.int32)
-            n0 = pid_n * BLOCK_N
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc = _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N,
-                                BLOCK_K)
-            if HAS_BIAS:
-                acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-            _store_tile(out_ptr, acc, perm_ptr, row0, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
+    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
+        row0, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N, BLOCK_K)
+        if HAS_BIAS:
+            acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+        _store_tile(out_ptr, acc, perm_ptr, row0, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
 
 
 @triton.jit
@@ -275,22 +295,19 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr
                                     stride_am, stride_om,
                                     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    GROUP_M: tl.constexpr):
+                                    GROUP_M: tl.constexpr,
+                                    FLATTEN: tl.constexpr):
     """The forward of routed_linear_tma_kernel (W through TMA, output rows scattered) with A in token order, its rows
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
-    of docs/perf.md ("gather inside the GEMM"), measured against gather + routed_linear_tma_kernel by aot/tune.py."""
+    of docs/perf.md ("gather inside the GEMM"), measured against gather + routed_linear_tma_kernel by aot/tune.py.
+    Persistent over the tiles that hold rows."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1 = tl.load(seg_ptr + 1)
-    end = tl.load(seg_ptr + 2)
-    num_pid_m = tl.cdiv(end, BLOCK_M)
+    start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(pid, num_tiles, nprog):
-        pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
-        row0 = pid_m * BLOCK_M
-        e = (row0 >= start1).to(tl.int32)
+    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
+        row0, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows, valid = _tile_rows(perm_ptr, row0, BLOCK_M)
@@ -309,53 +326,73 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr
 def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_hm,
                              SCATTER_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr):
+                             GROUP_M: tl.constexpr,
+                             FLATTEN: tl.constexpr):
     """a_desc: [M_pad, K] block [BM, BK]; w1_desc / w3_desc: stacked [2, N, K] block [1, BN, BK]. Persistent over
-    the tiles below end = seg[2], as routed_linear_tma_kernel."""
+    the tiles that hold rows: rows of h past each expert's last row tile are not written (only the down projection
+    reads h, and its padding rows' outputs are not stored)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1 = tl.load(seg_ptr + 1)
-    end = tl.load(seg_ptr + 2)
-    num_pid_m = tl.cdiv(end, BLOCK_M)
+    start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    for tile in range(pid, num_tiles, nprog):
-        pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
-        row0 = pid_m * BLOCK_M
-        if row0 < end:
-            e = (row0 >= start1).to(tl.int32)
-            n0 = pid_n * BLOCK_N
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = a_desc.load([row0, k0])
-                g = w1_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-                u = w3_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-                acc_g = tl.dot(a, g.T, acc_g, input_precision=INPUT_PRECISION)
-                acc_u = tl.dot(a, u.T, acc_u, input_precision=INPUT_PRECISION)
-            h = _silu_mul(acc_g, acc_u)
-            _store_tile(h_ptr, h, perm_ptr, row0, offs_n, N, stride_hm, SCATTER_OUT, BLOCK_M)
+    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
+        row0, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([row0, k0])
+            g = w1_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            u = w3_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            acc_g = tl.dot(a, g.T, acc_g, input_precision=INPUT_PRECISION)
+            acc_u = tl.dot(a, u.T, acc_u, input_precision=INPUT_PRECISION)
+        _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, offs_n, N, stride_hm, SCATTER_OUT, BLOCK_M)
+
+
+@triton.jit
+def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_hm, up_first,
+                                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                  FLATTEN: tl.constexpr):
+    """routed_swiglu_tma_kernel with the gate and up tiles fetched by one TMA load and multiplied by one MMA of
+    2 x BLOCK_N columns: w13_desc is a rank-4 descriptor [2, E, N, K] over both projections (dimension 0: the two
+    weight tensors, at whatever distance they lie in memory; block [2, 1, BN, BK]). up_first = 1 when dimension 0
+    holds up before gate (w3 lies below w1 in memory). The accumulator [BM, 2 BN] splits into gate and up in the
+    epilogue."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
+        row0, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([row0, k0])
+            b = w13_desc.load([0, e, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        first, second = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1))
+        g = tl.where(up_first != 0, second, first)
+        u = tl.where(up_first != 0, first, second)
+        _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, offs_n, N, stride_hm, False, BLOCK_M)
 
 
 @triton.jit
 def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_am,
                                     stride_hm, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                    FLATTEN: tl.constexpr):
     """routed_swiglu_tma_kernel with x in token order, its rows gathered through perm inside the main loop (no
-    [M_pad, H] gather copy); h expert-ordered as there."""
+    [M_pad, H] gather copy); h expert-ordered as there (rows past each expert's last row tile not written)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1 = tl.load(seg_ptr + 1)
-    end = tl.load(seg_ptr + 2)
-    num_pid_m = tl.cdiv(end, BLOCK_M)
+    start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(pid, num_tiles, nprog):
-        pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
-        row0 = pid_m * BLOCK_M
-        e = (row0 >= start1).to(tl.int32)
+    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
+        row0, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows, valid = _tile_rows(perm_ptr, row0, BLOCK_M)
@@ -515,10 +552,10 @@ def launch_gather_rows(src, dst, perm, *, BLOCK_R=32, BLOCK_C=128):
 
 def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, scatter_out=True,
                              w_transposed=False, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
-                             num_programs=None, num_warps=8, num_stages=3):
+                             num_programs=None, num_warps=8, num_stages=3, FLATTEN=False):
     """a_pad [M_pad, K] expert-ordered; w_stacked [2, N, K] (or [2, K, N] when w_transposed)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-    M_pad, K = a_pad.shape
+    M_pad, K = perm.shape[0], a_pad.shape[1]  # a_pad may be x itself for one expert (rows past M read as zeros)
     N = w_stacked.shape[2] if w_transposed else w_stacked.shape[1]
     a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
     w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BK, BN] if w_transposed else [1, BN, BK])
@@ -530,12 +567,13 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
     routed_linear_tma_kernel[grid](a_desc, w_desc, bias0, bias1, out, perm, seg, M_pad, N, K, out.stride(0),
                                    HAS_BIAS=has_bias, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                   GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
+                                   GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, *, input_precision="tf32", BM=128,
-                                    BN=256, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3):
+                                    BN=256, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
+                                    FLATTEN=False):
     """a [M, K] in token order (rows gathered in the kernel); w_stacked [2, N, K]; out [M, N]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad = perm.shape[0]
@@ -550,15 +588,15 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
     routed_linear_gather_tma_kernel[grid](a, w_desc, bias0, bias1, out, perm, seg, M_pad, N, K, a.stride(0),
                                           out.stride(0), HAS_BIAS=has_bias, INPUT_PRECISION=input_precision,
                                           BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M,
-                                          num_warps=num_warps, num_stages=num_stages)
+                                          FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, scatter_out=False,
                              input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None,
-                             num_warps=8, num_stages=3):
+                             num_warps=8, num_stages=3, FLATTEN=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
-    M_pad, K = a_pad.shape
+    M_pad, K = perm.shape[0], a_pad.shape[1]  # a_pad may be x itself for one expert (rows past M read as zeros)
     N = w1_stacked.shape[1]
     a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
     w1_desc = TensorDescriptor.from_tensor(w1_stacked, [1, BN, BK])
@@ -567,13 +605,30 @@ def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, sca
     grid = (min(num_programs or tiles, tiles), )
     routed_swiglu_tma_kernel[grid](a_desc, w1_desc, w3_desc, h, perm, seg, M_pad, N, K, h.stride(0),
                                    SCATTER_OUT=scatter_out, INPUT_PRECISION=input_precision, BLOCK_M=BM,
-                                   BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=num_warps,
+                                   BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
                                    num_stages=num_stages)
     return h
 
 
+def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, input_precision="tf32", BM=128,
+                                  BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
+                                  FLATTEN=False):
+    """w13 [2, E, N, K]: index 0 of dimension 0 is the gate (w1) unless up_first."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    M_pad, K, N = perm.shape[0], a_pad.shape[1], w13.shape[2]
+    a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
+    w_desc = TensorDescriptor.from_tensor(w13, [2, 1, BN, BK])
+    tiles = (M_pad // BM) * triton.cdiv(N, BN)
+    grid = (min(num_programs or tiles, tiles), )
+    routed_swiglu_pair_tma_kernel[grid](a_desc, w_desc, h, perm, seg, M_pad, N, K, h.stride(0), int(up_first),
+                                        INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                                        GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
+    return h
+
+
 def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, input_precision="tf32", BM=128,
-                                    BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3):
+                                    BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
+                                  FLATTEN=False):
     """a [M, K] in token order; h [M_pad, N] expert-ordered (rows >= seg[2] not written)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad, K, N = perm.shape[0], a.shape[1], w1_stacked.shape[1]
@@ -583,7 +638,7 @@ def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, 
     grid = (min(num_programs or tiles, tiles), )
     routed_swiglu_gather_tma_kernel[grid](a, w1_desc, w3_desc, h, perm, seg, M_pad, N, K, a.stride(0), h.stride(0),
                                           INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                          GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
+                                          GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return h
 
 

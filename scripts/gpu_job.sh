@@ -43,6 +43,7 @@ LIGER_SITE="${LIGER_SITE:-/tmp/site}"
 TUNE_RESUME="${TUNE_RESUME:-}"
 TUNE_ARGS="${TUNE_ARGS:-}"                 # e.g. "--ops rope,linear --rep 20" (aot/tune.py)
 TUNE_S="${TUNE_S:-240}"                    # timeout of the tune step
+TESTS_GPU_DESELECT="${TESTS_GPU_DESELECT:-}"  # test ids the tests-gpu step leaves out
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || { echo "cannot cd to the repository root"; exit 1; }
 REPO="$PWD"
@@ -54,7 +55,7 @@ JOB_LOG="$OUT/job.log"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
 export FUSED_BUILD_VERBOSE=1  # build.log gets the AOT progress and the compiler/linker commands
 export PIP_NO_INDEX=1   # no network on the GPU machine: never let pip wait on an index
-export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS TUNE_RESUME JOB_LOG
+export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS TUNE_RESUME JOB_LOG TESTS_GPU_DESELECT
 
 SUMMARY=()
 say() { echo "$*" | tee -a "$JOB_LOG"; }
@@ -162,7 +163,11 @@ for k in ("CC", "CXX", "LDSHARED", "LDCXXSHARED", "CFLAGS", "LDFLAGS", "CCSHARED
 }
 
 step_tests_gpu() {
-    "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests
+    # TESTS_GPU_DESELECT: space-separated test ids to leave out (e.g. the 4-minute CUDA AOTInductor package build when
+    # the job must also tune); say so in the results, they were not run.
+    local d deselect=()
+    for d in ${TESTS_GPU_DESELECT:-}; do deselect+=(--deselect "$d"); done
+    "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests "${deselect[@]}"
 }
 
 step_repro() {
@@ -233,7 +238,14 @@ step_tune() {
     cc=$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(a * 10 + b)")
     arch=$("$PY" -c "from aot.tune import table_arch; print(table_arch($cc))")
     [[ -n "${TUNE_RESUME:-}" && -f "$TUNE_RESUME" ]] && cp "$TUNE_RESUME" "$OUT/tune_sm$cc.jsonl"
-    "$PY" -m aot.tune --results "$OUT/tune_sm$cc.jsonl" --write "$OUT/sm$arch.json" --budget-s "$budget" $TUNE_ARGS
+    # TUNE_ARGS may hold several runs separated by ';' (e.g. decode m with many shapes, then one large m): they all
+    # append to the one result file; a run's own --budget-s (given last) overrides the step's.
+    local run
+    IFS=';' read -ra runs <<<"${TUNE_ARGS:- }"
+    for run in "${runs[@]}"; do
+        echo "--- tune: $run"
+        "$PY" -m aot.tune --results "$OUT/tune_sm$cc.jsonl" --write "$OUT/sm$arch.json" --budget-s "$budget" $run
+    done
 }
 
 export -f step_tune step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kernels import gemm  # noqa: E402
-from kernels.routing import padded_rows, route  # noqa: E402
+from kernels.routing import padded_rows, route, route_single  # noqa: E402
 
 ALIGN = 16
 T = dict(BM=16, BN=16, BK=16)
@@ -77,10 +77,14 @@ def prec(dtype):
 # ------------------------------------------------------------------------------------------- routing
 @pytest.mark.parametrize("M", [0, 1, 37, 300])
 @pytest.mark.parametrize("kind", MASKS)
-def test_routing(M, kind):
+@pytest.mark.parametrize("path", ["one_block", "two_kernels"])
+def test_routing(M, kind, path):
     gen = torch.Generator().manual_seed(M)
     mask = make_mask(kind, M, gen) if M > 0 else torch.zeros(0, dtype=torch.bool)
-    perm, seg = route(mask, align=ALIGN, chunk=64)  # chunk 64 -> several blocks for M=300
+    perm = torch.full((padded_rows(M, ALIGN), ), 7, dtype=torch.int32)  # poisoned: every entry must be written
+    seg = torch.full((5, ), 7, dtype=torch.int32)
+    # one_block: 512 >= M, one program; two_kernels: chunk 64 -> several blocks for M=300
+    route(mask, align=ALIGN, chunk=64, one_block=512 if path == "one_block" else 0, perm=perm, seg=seg)
     M_pad = padded_rows(M, ALIGN)
     assert perm.shape == (M_pad, ) and perm.dtype == torch.int32
     rows1 = torch.nonzero(mask).flatten().to(torch.int32)
@@ -94,6 +98,16 @@ def test_routing(M, kind):
     assert torch.equal(perm[start1:start1 + c1], rows1)
     assert (perm[start1 + c1:] == -1).all()
     assert end <= M_pad
+
+
+@pytest.mark.parametrize("M", [0, 1, 16, 17, 300])
+def test_routing_single(M):
+    perm, seg = route_single(M, "cpu", align=ALIGN, block=64)  # block 64 -> several programs for M=300
+    end = -(-M // ALIGN) * ALIGN
+    assert perm.shape == (max(end, ALIGN), ) and perm.dtype == torch.int32
+    assert torch.equal(perm[:M], torch.arange(M, dtype=torch.int32))
+    assert (perm[M:] == -1).all()
+    assert seg.tolist() == [0, end, end, M, 0]
 
 
 # ------------------------------------------------------------------------------------ pointer linear
@@ -242,6 +256,61 @@ def test_ffn_tma(dtype, kind):
     assert rel_err(out, ref) < 3 * TOL[dtype]
 
 
+@pytest.mark.parametrize("kind", ["random", "all_true", "all_false"])
+def test_tma_row_tiles(kind):
+    """Row tiles smaller than the routing alignment (BM = 16, ALIGN = 64): scattered outputs and h are computed only
+    for the tiles that hold rows (rows of h past each expert's last tile stay unwritten), while an expert-ordered
+    linear output is written over the whole padded segments (padding rows zero without bias: the grad-weight reads
+    them)."""
+    M, N, K = 37, 24, 40
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(15)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, K, dtype=dtype)
+    w = rnd(gen, 2, N, K, dtype=dtype)
+    perm, seg = route(mask, align=64)
+    xg = torch.empty(perm.shape[0], K, dtype=dtype)
+    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    gemm.launch_routed_linear_tma(xg, w, None, None, out, perm, seg, input_precision="ieee", num_programs=3, **T)
+    assert rel_err(out, ref_linear(x, w[0], w[1], None, None, mask)) < TOL[dtype]
+    ordered = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
+    gemm.launch_routed_linear_tma(xg, w, None, None, ordered, perm, seg, scatter_out=False, input_precision="ieee",
+                                  num_programs=3, **T)
+    start1, end, c0, c1 = (int(v) for v in seg[1:])
+    valid = perm >= 0
+    assert rel_err(ordered[valid], ref_linear(x, w[0], w[1], None, None, mask)[perm[valid].long()]) < TOL[dtype]
+    assert (ordered[:end][~valid[:end]] == 0).all() and torch.isnan(ordered[end:]).all()
+    w1, w3 = rnd(gen, 2, N, K, dtype=dtype), rnd(gen, 2, N, K, dtype=dtype)
+    h = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
+    gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
+    assert rel_err(h[valid], ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[valid].long()]) < TOL[dtype]
+    walked = torch.zeros(perm.shape[0], dtype=torch.bool)
+    walked[:-(-c0 // 16) * 16] = True
+    walked[start1:start1 + -(-c1 // 16) * 16] = True
+    assert torch.isfinite(h[walked]).all() and torch.isnan(h[~walked]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("up_first", [False, True])
+def test_swiglu_pair_tma(dtype, up_first):
+    """Gate and up through one rank-4 descriptor and one MMA of 2 x BN columns, split in the epilogue."""
+    M, H, I = 37, 40, 24
+    gen = torch.Generator().manual_seed(16)
+    mask = make_mask("random", M, gen)
+    x = rnd(gen, M, H, dtype=dtype)
+    w1, w3 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype)
+    perm, seg = route(mask, align=ALIGN)
+    xg = torch.empty(perm.shape[0], H, dtype=dtype)
+    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    w13 = torch.stack([w3, w1] if up_first else [w1, w3])
+    h = torch.full((perm.shape[0], I), float("nan"), dtype=dtype)
+    gemm.launch_routed_swiglu_pair_tma(xg, w13, h, perm, seg, up_first=up_first, input_precision=prec(dtype),
+                                       num_programs=3, **T)
+    valid = perm >= 0
+    assert rel_err(h[valid], ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[valid].long()]) < 3 * TOL[dtype]
+
+
 def test_tma_m0():
     N, K = 24, 40
     gen = torch.Generator().manual_seed(9)
@@ -379,13 +448,19 @@ def test_shipped_config(kernel, fam, block, group):
             gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, input_precision=p, BM=bm, BN=bn,
                                                  BK=bk, GROUP_M=group, num_programs=5)
         assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < tol
-    elif kernel in ("routed_swiglu_kernel", "routed_swiglu_tma_kernel"):
+    elif kernel.startswith("routed_swiglu"):
         bm, bn, bk = block
         w1, w3 = rnd(gen, 2, N, K, dtype=dtype), rnd(gen, 2, N, K, dtype=dtype)
         h = torch.full((M_pad, N), float("nan"), dtype=dtype)
         if kernel == "routed_swiglu_kernel":
             gemm.launch_routed_swiglu(x, w1[0], w1[1], w3[0], w3[1], h, perm, seg, N, K, input_precision=p, BM=bm,
                                       BN=bn, BK=bk, GROUP_M=group)
+        elif kernel == "routed_swiglu_gather_tma_kernel":
+            gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
+                                                 GROUP_M=group, num_programs=7)
+        elif kernel == "routed_swiglu_pair_tma_kernel":
+            gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision=p, BM=bm,
+                                               BN=bn, BK=bk, GROUP_M=group, num_programs=7)
         else:
             gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
                                           GROUP_M=group, num_programs=7)

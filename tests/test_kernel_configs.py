@@ -67,8 +67,10 @@ def _bad(mutate):
     (lambda t: t["kernels"].clear(), "'kernels' must be a non-empty object"),
     (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"].insert(0, {"max_m": 1, "off": True}),
      "only an alternative-design kernel"),
-    (lambda t: t["kernels"]["routed_linear_gather_tma_kernel"]["half"][0].update(block=[128, 128, 64]),
+    (lambda t: t["kernels"]["routed_swiglu_pair_tma_kernel"]["half"][0].update(block=[128, 128, 64]),
      "an \"off\" bucket has only max_m"),
+    (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(flatten=True), "'flatten' is a bool, and only"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(flatten=1), "'flatten' is a bool, and only"),
 ])
 def test_validate_rejects_bad_tables(mutate, message):
     with pytest.raises(ValueError, match=None) as e:
@@ -76,13 +78,15 @@ def test_validate_rejects_bad_tables(mutate, message):
     assert message in str(e.value) and "t.json" in str(e.value)
 
 
-def test_off_buckets_turn_the_alternative_design_off_at_run_time():
-    table = TABLES[90]
-    offs = [e for e in ct.buckets(table, "routed_linear_gather_tma_kernel", "half") if e.get("off")]
-    if not offs:
-        pytest.skip("the shipped sm_90 table uses the gather-in-GEMM forward for every m")
-    m = offs[0].get("max_m", 1 << 30)
-    assert fused_ops.kernel_config("routed_linear_gather_tma_kernel", "half", m, 90) == "off"
+@pytest.mark.parametrize("kernel", sorted(ct.OPTIONAL))
+def test_off_buckets_turn_the_alternative_design_off_at_run_time(kernel):
+    """Every bucket of an alternative-design kernel reads back from the C++ lookup as the table says: "off" where
+    the other design runs, its config elsewhere."""
+    buckets = ct.buckets(TABLES[90], kernel, "half")
+    assert buckets, f"the sm_90 table lists no buckets for {kernel}"
+    for e in buckets:
+        m = e.get("max_m", 1 << 30)
+        assert fused_ops.kernel_config(kernel, "half", m, 90) == ct.cfg_str(e)
 
 
 def test_tma_kernels_only_in_the_sm90_table():

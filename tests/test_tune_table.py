@@ -72,7 +72,12 @@ def test_candidates_include_the_tables_configs():
 
 def test_shapes_cover_decode_to_prefill_and_the_model_sizes():
     s = tune.shapes("swiglu", [1, 16384], ["7b", "70b"])
-    assert s == [(1, 11008, 4096), (1, 28672, 8192), (16384, 11008, 4096), (16384, 28672, 8192)]
+    # decode m is measured with one expert too (the Llama MLP); prefill only with the dual-expert routing
+    assert s == [(1, 11008, 4096, "dual"), (1, 11008, 4096, "single"), (1, 28672, 8192, "dual"),
+                 (1, 28672, 8192, "single"), (16384, 11008, 4096, "dual"), (16384, 28672, 8192, "dual")]
+    assert tune.shape_str("swiglu", s[1]) == "M1_N11008_K4096_single"
+    # the gather-inside design serves two experts only
+    assert all(r == "dual" for *_, r in tune.shapes("linear_gather", [1], ["7b"]))
     assert tune.table_arch(86) == 80 and tune.table_arch(89) == 89 and tune.table_arch(90) == 90
 
 
@@ -93,3 +98,11 @@ def test_the_gather_in_gemm_design_is_on_only_where_it_beats_gather_copy_plus_tm
     new = tune.write_table("/dev/null", table, _done(recs), ["linear", "linear_gather"], [1, 4096], 90, "GPU X", [])
     b = new["kernels"][G]["half"]
     assert b[0] == {"max_m": 1, "off": True} and ct.cfg_str(b[1]) == A and "max_m" not in b[1]
+
+
+def test_keep_merges_an_earlier_run_at_the_m_not_measured_again():
+    old = _done([_rec(16, 4096, A, 1.0), _rec(4096, 4096, A, 2.0), _rec(4096, 4096, A, 9.0, kernel="other_kernel")])
+    new = _done([_rec(16, 4096, B, 0.5)])
+    done, ms = tune.merge_kept(new, old, [16], {K})
+    assert ms == [16, 4096]
+    assert set(done) == {(K, "M16_N4096_K4096", B), (K, "M4096_N4096_K4096", A)}  # old m=16 record dropped

@@ -97,15 +97,24 @@ Routing route(const at::Tensor& mask) {
   const auto iopt = m.options().dtype(at::kInt);
   r.perm = at::empty({r.M_pad}, iopt);
   r.seg = at::empty({5}, iopt);
-  const int64_t nb = std::max<int64_t>(1, cdiv(r.M, kChunk));
+  if (r.M <= kOneBlock) {  // one launch: count and scatter in one program
+    const void* mp = r.M > 0 ? m.data_ptr() : r.perm.data_ptr();  // M = 0: loads are masked, any valid pointer
+    KernelArgs a;
+    a.ptr(mp).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad);
+    launch_on_current_stream("routing_one_block_kernel",
+                             make_key({{"align", std::to_string(kAlign)}, {"block", std::to_string(kOneBlock)}}), a,
+                             grid(1), r.perm);
+    return r;
+  }
+  const int64_t nb = cdiv(r.M, kChunk);
   at::Tensor counts = at::empty({nb * 2}, iopt);  // freed stream-ordered: reused only by later work on this stream
-  const void* mp = r.M > 0 ? m.data_ptr() : counts.data_ptr();  // M = 0: loads are masked, any valid pointer
   KernelArgs c;
-  c.ptr(mp).ptr(counts.data_ptr()).i32(r.M);
+  c.ptr(m.data_ptr()).ptr(counts.data_ptr()).i32(r.M);
   launch_on_current_stream("routing_count_kernel", make_key({{"chunk", std::to_string(kChunk)}}), c, grid(nb),
                            counts);
   KernelArgs s;
-  s.ptr(mp).ptr(counts.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad).i32(nb);
+  s.ptr(m.data_ptr()).ptr(counts.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad)
+      .i32(nb);
   launch_on_current_stream("routing_scatter_kernel",
                            make_key({{"chunk", std::to_string(kChunk)}, {"align", std::to_string(kAlign)}}), s,
                            grid(nb), counts);
@@ -116,15 +125,16 @@ Routing route_single(int64_t M, const at::Tensor& like) {
   Routing r;
   r.single = true;
   r.M = M;
-  const int64_t end = cdiv(M, kAlign) * kAlign;  // start_1 = end = roundup(count_0, ALIGN); count_1 = 0
-  r.M_pad = std::max(end, kAlign);
+  r.M_pad = std::max(cdiv(M, kAlign) * kAlign, kAlign);  // start_1 = end = roundup(count_0, ALIGN); count_1 = 0
   const auto iopt = like.options().dtype(at::kInt);
-  // Device-side fills with host scalars as kernel arguments: no host sync, capturable in a CUDA graph.
-  r.perm = at::arange(r.M_pad, iopt);
-  if (r.M_pad > M) r.perm.narrow(0, M, r.M_pad - M).fill_(-1);
-  r.seg = at::zeros({5}, iopt);
-  r.seg.narrow(0, 1, 2).fill_(end);
-  r.seg.narrow(0, 3, 1).fill_(M);
+  r.perm = at::empty({r.M_pad}, iopt);
+  r.seg = at::empty({5}, iopt);
+  // One launch writes both (no host sync, capturable in a CUDA graph); five ATen fills cost ~10 us of launches.
+  KernelArgs a;
+  a.ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(M).i32(r.M_pad);
+  launch_on_current_stream("routing_single_kernel",
+                           make_key({{"align", std::to_string(kAlign)}, {"block", std::to_string(kSingleBlock)}}), a,
+                           grid(cdiv(r.M_pad, kSingleBlock)), r.perm);
   return r;
 }
 
@@ -309,9 +319,30 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
   }
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a);
-    const KernelConfig& c = config(g, "routed_swiglu_tma_kernel", r.M);
     const Experts::Stacked& s1 = w1.stacked();
     const Experts::Stacked& s3 = w3.stacked();
+    // Gate and up in one MMA of 2 x BLOCK_N columns where the table turns it on: one rank-4 descriptor
+    // [2, E, I, H] whose first dimension steps from one weight tensor to the other (their distance in memory, which
+    // TMA takes when it is a multiple of 16 bytes below 2^40; the lower address first, up_first says which).
+    const KernelConfig* pc = find_config("routed_swiglu_pair_tma_kernel", family(g), g.cc, r.M);
+    const int64_t es = c10::elementSize(g.dtype);
+    const intptr_t dist = reinterpret_cast<intptr_t>(s3.base) - reinterpret_cast<intptr_t>(s1.base);
+    const uintptr_t adist = static_cast<uintptr_t>(dist < 0 ? -dist : dist);
+    if (pc && !config_off(*pc) && s1.experts == s3.experts && s1.stride_e == s3.stride_e && s1.ld == s3.ld &&
+        adist > 0 && adist % 16 == 0 && adist < (uintptr_t{1} << 40)) {
+      const bool up_first = dist < 0;
+      args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
+          .tensor(up_first ? s3.base : s1.base, {2, s1.experts, I, H},
+                  {static_cast<int64_t>(adist) / es, s1.stride_e, s1.ld, 1})
+          .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+          .i32(r.M_pad).i32(I).i32(H).i32(h.stride(0)).i32(up_first ? 1 : 0);
+      const int64_t tiles = (r.M_pad / pc->block[0]) * cdiv(I, pc->block[1]);
+      launch_on_current_stream("routed_swiglu_pair_tma_kernel",
+                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", pc->cfg}}), args,
+                               grid(std::min<int64_t>(g.sms, tiles)), h);
+      return;
+    }
+    const KernelConfig& c = config(g, "routed_swiglu_tma_kernel", r.M);
     args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
         .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
         .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
