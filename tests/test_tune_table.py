@@ -106,3 +106,13 @@ def test_keep_merges_an_earlier_run_at_the_m_not_measured_again():
     done, ms = tune.merge_kept(new, old, [16], {K})
     assert ms == [16, 4096]
     assert set(done) == {(K, "M16_N4096_K4096", B), (K, "M4096_N4096_K4096", A)}  # old m=16 record dropped
+
+
+def test_the_paired_gate_up_is_on_only_where_it_beats_the_two_mma_kernel():
+    P, S, G = "routed_swiglu_pair_tma_kernel", "routed_swiglu_tma_kernel", "128x128x64_g8_w8_s4"
+    recs = []
+    for m, pair in ((1, 1.05), (4096, 0.9)):  # the kernel it replaces: 1.0, no gather copy added
+        recs += [_rec(m, 4096, G, 1.0, kernel=S), _rec(m, 4096, G, pair, kernel=P)]
+    new = tune.write_table("/dev/null", ct.load(90), _done(recs), ["swiglu", "swiglu_pair"], [1, 4096], 90, "GPU X", [])
+    b = new["kernels"][P]["half"]
+    assert b[0] == {"max_m": 1, "off": True} and ct.cfg_str(b[1]) == G and "max_m" not in b[1]
