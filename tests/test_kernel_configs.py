@@ -160,3 +160,37 @@ def test_runtime_lookup_errors_name_what_is_missing():
         fused_ops.kernel_config("routed_swiglu_tma_kernel", "ieee", 16, 90)  # no exact-fp32 TMA swiglu
     with pytest.raises((ValueError, RuntimeError), match="no built architecture runs on it"):
         fused_ops.kernel_config("rope_kernel", "all", 1, 75)
+
+
+_FLATTEN_COMPILE = r"""
+import copy, json, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+from aot import compile as aot_compile, config_table as ct, manifest
+t = copy.deepcopy(ct.load(90))
+for kernel in ("routed_linear_gather_tma_kernel", "routed_swiglu_pair_tma_kernel"):
+    t["kernels"][kernel]["half"][-1]["flatten"] = True
+ct.validate(t)
+manifest.table = lambda arch: t if arch == 90 else ct.load(arch)
+picked = {}
+for v in manifest.variants():
+    if v.key.get("cfg", "").endswith("_f") and v.key.get("dtype") == "bf16":
+        picked.setdefault(v.name, v)
+assert set(picked) == {"routed_linear_gather_tma_kernel", "routed_swiglu_pair_tma_kernel"}, sorted(picked)
+with tempfile.TemporaryDirectory() as d:
+    for name, v in sorted(picked.items()):
+        assert v.meta["FLATTEN"] is True
+        aot_compile._compile_one((v, 90, d, name, False))
+        meta = json.load(open(f"{d}/{name}.json"))
+        print(name, v.key["cfg"], "shared", meta["shared"])
+"""
+
+
+def test_flattened_configs_compile_for_sm90():
+    """A config with "flatten": true compiles (cross-compiled for sm_90, no GPU) into a variant whose key ends in _f
+    and whose FLATTEN constexpr is set. In a fresh process: interpreter tests may have set TRITON_INTERPRET here."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _FLATTEN_COMPILE, ROOT], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "routed_swiglu_pair_tma_kernel 128x128x64_g8_w8_s4_f shared" in r.stdout, r.stdout
