@@ -9,8 +9,8 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
 * kernels: on sm_90 the TMA GEMMs (routed_linear_tma / routed_swiglu_tma / routed_grad_weight_tma), elsewhere the
   pointer GEMMs; and rope_kernel. The alternative designs are ops of their own, measured with the design they may
   replace: linear_gather / swiglu_gather (x gathered inside the GEMM; against linear / swiglu plus the gather copy)
-  and swiglu_pair (gate and up in one MMA; against swiglu); --write turns each on per m where it wins. bf16 inputs: the "half" family (fp16 runs the same MMA shapes); the fp32 families
-  keep their table entries.
+  and swiglu_pair (gate and up in one MMA; against swiglu); --write turns each on per m where it wins. bf16 inputs:
+  the "half" family (fp16 runs the same MMA shapes); the fp32 families keep their table entries.
 * shapes: m (token rows; the reduction length for grad-weight) from --ms, times the projections of Llama-style
   models (--models: hidden / intermediate sizes of Llama-2 7B, 13B and 70B): linear N x K = H x H and H x I, swiglu
   I x H, grad-weight H x H and I x H. 50% random routing mask (both experts busy); for m <= SINGLE_MAX_M the
@@ -53,9 +53,9 @@ SINGLE_MAX_M = 64  # up to this m, linear and swiglu are measured with one exper
 # the ops a single-expert call runs (the gather-inside designs serve two experts only)
 SINGLE_OPS = ("linear", "swiglu", "swiglu_pair")
 
-# (block, group, warps, stages[, flatten]) candidates per kernel. TMA GEMMs: 128-row tiles (the routing alignment) or 64 for
-# decode, wide N for the large-m case (what cuBLAS uses on Hopper), narrow N / more stages for decode (more CTAs to
-# stream the weights). Pointer GEMMs: Triton's Ampere configs that fit 99 KiB of shared memory.
+# (block, group, warps, stages[, flatten]) candidates per kernel. TMA GEMMs: 128-row tiles (the routing alignment) or
+# 64 for decode, wide N for the large-m case (what cuBLAS uses on Hopper), narrow N / more stages for decode (more CTAs
+# to stream the weights). Pointer GEMMs: Triton's Ampere configs that fit 99 KiB of shared memory.
 # 16- and 32-row tiles: decode, where the A tile is nearly all padding and shared memory is better spent on more
 # stages of W.
 _TMA_DECODE = [((16, 64, 128), 8, 4, 6), ((16, 64, 128), 8, 4, 8), ((16, 32, 256), 8, 4, 4),
