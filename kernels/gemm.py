@@ -223,9 +223,12 @@ def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, p
 #     software pipeline runs across tiles and the next tile's first loads overlap this tile's epilogue.
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def gather_rows_kernel(src_ptr, dst_ptr, perm_ptr, M_pad, C, stride_src, stride_dst,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dst[r, :] = src[perm[r], :] (zeros where perm[r] < 0), dst [M_pad, C]."""
+def gather_rows_kernel(src_ptr, dst_ptr, perm_ptr, colsum_ptr, M_pad, C, stride_src, stride_dst,
+                       COLSUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst[r, :] = src[perm[r], :] (zeros where perm[r] < 0), dst [M_pad, C].
+    COLSUM: also colsum[b, :] = the fp32 sum of dst's rows [b * BLOCK_R, (b + 1) * BLOCK_R), colsum
+    [cdiv(M_pad, BLOCK_R), C]: the first pass of the bias gradients (expert_colsum_kernel adds the blocks up per
+    expert). BLOCK_R divides the routing ALIGN, so a block never holds rows of both experts."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -239,20 +242,52 @@ def gather_rows_kernel(src_ptr, dst_ptr, perm_ptr, M_pad, C, stride_src, stride_
                 other=0.0)
     tl.store(dst_ptr + offs_r.to(tl.int64)[:, None] * stride_dst + offs_c[None, :], v,
              mask=r_ok[:, None] & c_ok)
+    if COLSUM:
+        tl.store(colsum_ptr + pid_r.to(tl.int64) * C + offs_c, tl.sum(v.to(tl.float32), axis=0), mask=offs_c < C)
+
+
+@triton.jit
+def expert_colsum_kernel(colsum_ptr, seg_ptr, sum0_ptr, sum1_ptr, num_blocks, C,
+                         ROWS_PER_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    """sum_e[c] = sum of colsum[b, c] over the blocks b of expert e (block b holds expert-ordered rows from
+    b * ROWS_PER_BLOCK; expert 1's start at seg[1]). Grid (cdiv(C, BLOCK_C),); a fixed order of fp32 additions, so
+    the result is deterministic. With gather_rows_kernel(COLSUM) over dY: the bias gradients db_e = sum of dY_e."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    start1 = tl.load(seg_ptr + 1)
+    acc0 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        part = tl.load(colsum_ptr + offs_b.to(tl.int64)[:, None] * C + offs_c[None, :],
+                       mask=(offs_b < num_blocks)[:, None] & c_ok[None, :], other=0.0)
+        is1 = (offs_b * ROWS_PER_BLOCK >= start1)[:, None]
+        acc0 += tl.sum(tl.where(is1, 0.0, part), axis=0)
+        acc1 += tl.sum(tl.where(is1, part, 0.0), axis=0)
+    tl.store(sum0_ptr + offs_c, acc0.to(sum0_ptr.dtype.element_ty), mask=c_ok)
+    tl.store(sum1_ptr + offs_c, acc1.to(sum1_ptr.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit
+def _linear_step(a, w_desc, e, n0, k0, acc, W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step: the A tile (however it was loaded) times W_e's tile; w_desc is a rank-3 descriptor over the stacked
+    weights [2, R, C] (exact per-expert bounds)."""
+    if W_TRANSPOSED:
+        b = w_desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    else:
+        b = w_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+        acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+    return acc
 
 
 @triton.jit
 def _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w_desc is a rank-3 descriptor over the stacked weights [2, R, C] (exact per-expert bounds)."""
     for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([row0, k0])
-        if W_TRANSPOSED:
-            b = w_desc.load([e, k0, n0]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        else:
-            b = w_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        acc = _linear_step(a_desc.load([row0, k0]), w_desc, e, n0, k0, acc, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N,
+                           BLOCK_K)
     return acc
 
 
@@ -314,12 +349,22 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            a = _gathered_a(a_ptrs, valid, offs_k, K, k0)
-            b = w_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+            acc = _linear_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w_desc, e, n0, k0, acc, False,
+                               INPUT_PRECISION, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
         _store_tile(out_ptr, acc, perm_ptr, row0, offs_n, N, stride_om, True, BLOCK_M)
+
+
+@triton.jit
+def _swiglu_step(a, w1_desc, w3_desc, e, n0, k0, acc_g, acc_u, INPUT_PRECISION: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of the two-MMA gate/up GEMM: the A tile (however it was loaded) times W1_e's and W3_e's tiles."""
+    g = w1_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+    u = w3_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+    acc_g = tl.dot(a, g.T, acc_g, input_precision=INPUT_PRECISION)
+    acc_u = tl.dot(a, u.T, acc_u, input_precision=INPUT_PRECISION)
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -342,11 +387,8 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            a = a_desc.load([row0, k0])
-            g = w1_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-            u = w3_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-            acc_g = tl.dot(a, g.T, acc_g, input_precision=INPUT_PRECISION)
-            acc_u = tl.dot(a, u.T, acc_u, input_precision=INPUT_PRECISION)
+            acc_g, acc_u = _swiglu_step(a_desc.load([row0, k0]), w1_desc, w3_desc, e, n0, k0, acc_g, acc_u,
+                                        INPUT_PRECISION, BLOCK_N, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, offs_n, N, stride_hm, SCATTER_OUT, BLOCK_M)
 
 
@@ -400,11 +442,8 @@ def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, se
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            a = _gathered_a(a_ptrs, valid, offs_k, K, k0)
-            g = w1_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-            u = w3_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-            acc_g = tl.dot(a, g.T, acc_g, input_precision=INPUT_PRECISION)
-            acc_u = tl.dot(a, u.T, acc_u, input_precision=INPUT_PRECISION)
+            acc_g, acc_u = _swiglu_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w1_desc, w3_desc, e, n0, k0,
+                                        acc_g, acc_u, INPUT_PRECISION, BLOCK_N, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, offs_n, N, stride_hm, False, BLOCK_M)
 
 
@@ -542,12 +581,21 @@ def launch_routed_swiglu(a, w1_0, w1_1, w3_0, w3_1, h, perm, seg, N, K, *, gathe
     return h
 
 
-def launch_gather_rows(src, dst, perm, *, BLOCK_R=32, BLOCK_C=128):
+def launch_gather_rows(src, dst, perm, *, BLOCK_R=32, BLOCK_C=128, colsum=None):
+    """colsum: None, or fp32 [cdiv(M_pad, BLOCK_R), C] that gets the per-block column sums (COLSUM)."""
     M_pad, C = dst.shape
     grid = (triton.cdiv(M_pad, BLOCK_R), triton.cdiv(C, BLOCK_C))
-    gather_rows_kernel[grid](src, dst, perm, M_pad, C, src.stride(0), dst.stride(0), BLOCK_R=BLOCK_R,
-                             BLOCK_C=BLOCK_C, num_warps=4)
+    gather_rows_kernel[grid](src, dst, perm, perm if colsum is None else colsum, M_pad, C, src.stride(0),
+                             dst.stride(0), COLSUM=colsum is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
     return dst
+
+
+def launch_expert_colsum(colsum, seg, sum0, sum1, *, ROWS_PER_BLOCK=32, BLOCK_B=64, BLOCK_C=64):
+    num_blocks, C = colsum.shape
+    expert_colsum_kernel[(triton.cdiv(C, BLOCK_C),)](colsum, seg, sum0, sum1, num_blocks, C,
+                                                     ROWS_PER_BLOCK=ROWS_PER_BLOCK, BLOCK_B=BLOCK_B,
+                                                     BLOCK_C=BLOCK_C, num_warps=4)
+    return sum0, sum1
 
 
 def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, scatter_out=True,

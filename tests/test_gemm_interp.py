@@ -398,6 +398,34 @@ def test_grad_weight_tma(dtype, kind):
             assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", MASKS)
+def test_gather_rows_colsum(dtype, kind):
+    """dY's gather with per-block column sums, then expert_colsum: the linear_dual bias gradients db_e = sum of
+    expert e's rows of dY (float64 reference), the gathered buffer unchanged by the COLSUM flag, every output written.
+    BLOCK_B = 4 < the number of blocks, so the reduction loops."""
+    M, N = 150, 40
+    gen = torch.Generator().manual_seed(13)
+    mask = make_mask(kind, M, gen)
+    dy = rnd(gen, M, N, dtype=dtype)
+    perm, seg = route(mask, align=ALIGN)
+    plain = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
+    gemm.launch_gather_rows(dy, plain, perm, BLOCK_R=16, BLOCK_C=32)
+    got = torch.full_like(plain, float("nan"))
+    colsum = torch.full(((perm.shape[0] + 15) // 16, N), float("nan"))
+    gemm.launch_gather_rows(dy, got, perm, BLOCK_R=16, BLOCK_C=32, colsum=colsum)
+    assert torch.equal(got, plain)
+    assert colsum.shape[0] > 4
+    sums = [torch.full((N,), float("nan"), dtype=dtype) for _ in range(2)]
+    gemm.launch_expert_colsum(colsum, seg, *sums, ROWS_PER_BLOCK=16, BLOCK_B=4, BLOCK_C=16)
+    m1 = mask.double()[:, None]
+    for out, ref in ((sums[0], (dy.double() * (1 - m1)).sum(0)), (sums[1], (dy.double() * m1).sum(0))):
+        if ref.norm() == 0:
+            assert (out == 0).all()
+        else:
+            assert rel_err(out, ref) < TOL[dtype]
+
+
 # ------------------------------------------------------------------------- every shipped config (aot/configs/*.json)
 def _shipped_configs():
     """Distinct (kernel, family, block, group) of every table: warps and stages do not change the interpreter's

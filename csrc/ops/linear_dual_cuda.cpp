@@ -2,7 +2,8 @@
 //   forward      route(mask) -> routed_linear (x gathered through perm, out scattered back), bias in the epilogue;
 //   backward     route(mask) -> grad_x = routed_linear(grad_out, W_e, W_TRANSPOSED)
 //                             -> (dW_e, db_e) = routed_grad_weight(grad_out, x) in one pass
-//                (TMA: grad_out and x gathered once into expert-ordered buffers that both GEMMs read).
+//                (TMA: grad_out and x gathered once into expert-ordered buffers that both GEMMs read; db_e summed
+//                by grad_out's gather).
 // Path: the Hopper TMA kernels on sm_90 when K and N are multiples of 16 bytes (x / grad_out gathered into an
 // expert-ordered buffer first, weights as one rank-3 descriptor; see Experts::stacked for when that copies), else
 // the pointer kernels (an aligned variant with divisibility hints when pointers, K, N and strides allow, else the
@@ -78,12 +79,14 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   const routed::Routing r = routed::route(mask);
   routed::Experts w(weight_t, weight_v, /*single=*/false);
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);
-  // TMA: dy and x gathered once into expert-ordered buffers that the grad-input and grad-weight GEMMs share.
-  const routed::Rows dya = tma ? routed::ordered(routed::gather_rows(g, r, dy)) : routed::tokens(dy);
+  // TMA: dy and x gathered once into expert-ordered buffers that the grad-input and grad-weight GEMMs share; the
+  // bias gradients are summed by dy's gather (the pointer grad-weight kernel sums them itself).
+  const routed::Rows dya =
+      tma ? routed::ordered(routed::gather_rows_and_sum(g, r, dy, gb_t, gb_v)) : routed::tokens(dy);
   const routed::Rows xa = tma ? routed::ordered(routed::gather_rows(g, r, as_rows(x))) : routed::tokens(as_rows(x));
   routed::linear(g, r, dya, w, at::Tensor(), at::Tensor(), routed::tokens(gx.view({geo.M, geo.K})),
                  /*w_transposed=*/true, tma);
-  routed::grad_weight(g, r, dya, xa, gw_t, gw_v, gb_t, gb_v, tma);
+  routed::grad_weight(g, r, dya, xa, gw_t, gw_v, tma ? at::Tensor() : gb_t, tma ? at::Tensor() : gb_v, tma);
   return {gx, gw_v, gw_t, gb_v, gb_t};
 }
 

@@ -226,15 +226,42 @@ at::Tensor tma_rows(const Gemm& g, const Routing& r, const Rows& a) {
 }
 }  // namespace
 
-at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src) {
+namespace {
+constexpr int64_t kGatherRows = 32;  // gather_rows_kernel BLOCK_R (aot/manifest.py GATHER_BLOCK_R); divides kAlign
+static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums must not mix experts");
+
+at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& colsum) {
   check_rows(r, tokens(src), src.size(1), "gather source");
   const int64_t C = src.size(1);
   at::Tensor dst = at::empty({r.M_pad, C}, src.options());
   KernelArgs a;
-  a.ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr()).i32(r.M_pad).i32(C).i32(src.stride(0))
-      .i32(dst.stride(0));
-  launch_on_current_stream("gather_rows_kernel", make_key({{"dtype", g.dt}}), a,
-                           grid(cdiv(r.M_pad, 32), cdiv(C, 128)), dst);  // BLOCK_R = 32, BLOCK_C = 128
+  a.ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr())
+      .ptr(colsum.defined() ? colsum.data_ptr() : r.perm.data_ptr())
+      .i32(r.M_pad).i32(C).i32(src.stride(0)).i32(dst.stride(0));
+  launch_on_current_stream("gather_rows_kernel", make_key({{"dtype", g.dt}, {"colsum", flag(colsum.defined())}}), a,
+                           grid(cdiv(r.M_pad, kGatherRows), cdiv(C, 128)), dst);  // BLOCK_C = 128
+  return dst;
+}
+}  // namespace
+
+at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src) {
+  return launch_gather(g, r, src, at::Tensor());
+}
+
+at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& sum0,
+                               const at::Tensor& sum1) {
+  TORCH_INTERNAL_ASSERT(!r.single && sum0.numel() == src.size(1) && sum1.numel() == src.size(1) &&
+                        sum0.is_contiguous() && sum1.is_contiguous() && sum0.scalar_type() == src.scalar_type() &&
+                        sum1.scalar_type() == src.scalar_type());
+  const int64_t C = src.size(1), blocks = cdiv(r.M_pad, kGatherRows);
+  // Per-block fp32 column sums ([M_pad / 32, C], 1/16 of dst's bytes for bf16), added up per expert by a second
+  // kernel: deterministic, and no second pass over the rows.
+  at::Tensor colsum = at::empty({blocks, C}, src.options().dtype(at::kFloat));
+  at::Tensor dst = launch_gather(g, r, src, colsum);
+  KernelArgs a;
+  a.ptr(colsum.data_ptr()).ptr(r.seg.data_ptr()).ptr(sum0.data_ptr()).ptr(sum1.data_ptr()).i32(blocks).i32(C);
+  launch_on_current_stream("expert_colsum_kernel", make_key({{"dtype", g.dt}}), a, grid(cdiv(C, 64)),
+                           colsum);  // BLOCK_C = 64
   return dst;
 }
 
@@ -381,6 +408,7 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
   KernelArgs args;
   if (tma) {
     TORCH_INTERNAL_ASSERT(dy.expert_ordered, "routed GEMM: the TMA grad-weight takes expert-ordered buffers");
+    TORCH_INTERNAL_ASSERT(!dbias, "routed GEMM: the TMA grad-weight sums no bias (gather_rows_and_sum does)");
     const KernelConfig& c = config(g, "routed_grad_weight_tma_kernel", r.M);  // block: BN x BK x BR
     args.tensor(dy.t.data_ptr(), {r.M_pad, N}, {dy.t.stride(0), 1})
         .tensor(x.t.data_ptr(), {r.M_pad, K}, {x.t.stride(0), 1})
@@ -388,15 +416,6 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
     const int64_t per_e = cdiv(N, c.block[0]) * cdiv(K, c.block[1]);
     launch_on_current_stream("routed_grad_weight_tma_kernel", grad_weight_tma_key(g, c), args,
                              grid((r.single ? 1 : 2) * per_e), dw0);
-    if (dbias) {
-      // db_e = dYᵀ · (indicator of expert e's rows): a GEMV per expert, accumulated in fp32 by cuBLAS. Padding rows
-      // of dY are zero, so the indicators need only the segment boundary seg[1] (read on the device, no sync).
-      const at::Tensor rows = at::arange(r.M_pad, r.seg.options());
-      const at::Tensor is1 = rows.ge(r.seg.narrow(0, 1, 1));
-      at::Tensor dyt = dy.t.t();
-      db0.copy_(at::mv(dyt, is1.logical_not().to(dy.t.scalar_type())));
-      if (!r.single) b1.copy_(at::mv(dyt, is1.to(dy.t.scalar_type())));
-    }
     return;
   }
   const KernelConfig& c = config(g, "routed_grad_weight_kernel", r.M);  // block: BN x BK x BR

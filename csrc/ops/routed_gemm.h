@@ -112,6 +112,10 @@ inline Rows ordered(const at::Tensor& t) { return {t, true}; }
 
 // dst[r] = src[perm[r]] (zero rows where perm[r] < 0): token-order src [M, C] -> new expert-ordered [M_pad, C].
 at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src);
+// gather_rows of a two-expert routing, and sum_e = the sum of src's rows of expert e ([C] each, dtype of src, fp32
+// accumulation in a fixed order): the bias gradients from the gather of dY, with no second pass over it.
+at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& sum0,
+                               const at::Tensor& sum1);
 
 // out = a · W_eᵀ (+ bias_e)  (w_transposed = false; W_e [N, K], a [., K], out [., N]), or
 // out = a · W_e           (w_transposed = true, grad-input; W_e [K_red, N], a [., K_red], out [., N]).
@@ -131,7 +135,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
 // db1; not touched for a single-expert routing). dy [., N] and x [., K] both in token order or both expert-ordered.
 // Outputs in the input dtype (fp32 accumulation over all rows of the expert), every element written.
 // tma: the sm_90 kernel, which needs both operands expert-ordered with zero padding rows (gather_rows, or outputs of
-// expert-ordered GEMMs without bias).
+// expert-ordered GEMMs without bias), and sums no bias (db0 undefined; gather_rows_and_sum gives db).
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
                  const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma);
 
