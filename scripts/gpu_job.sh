@@ -43,6 +43,7 @@ LIGER_SITE="${LIGER_SITE:-/tmp/site}"
 TUNE_RESUME="${TUNE_RESUME:-}"
 TUNE_ARGS="${TUNE_ARGS:-}"                 # e.g. "--ops rope,linear --rep 20" (aot/tune.py)
 TUNE_S="${TUNE_S:-240}"                    # timeout of the tune step
+CPP_S="${CPP_S:-300}"                      # timeout of the cpp step (its deployment tests include a 4-minute AOTI build)
 TESTS_GPU_DESELECT="${TESTS_GPU_DESELECT:-}"  # test ids the tests-gpu step leaves out
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || { echo "cannot cd to the repository root"; exit 1; }
@@ -277,7 +278,7 @@ has_step diag && run_step diag         60    60    "$OUT/job.log"          1    
 has_step repro && run_step repro        60    60    "$OUT/tests.log"        1     step_repro
 has_step tests-gpu && run_step tests-gpu  500    40    "$OUT/tests.log"        1     step_tests_gpu
 has_step main && run_step main         60     0    "$OUT/tests.log"        1     step_main
-has_step cpp && run_step cpp          300     0    "$OUT/tests.log"        1     step_cpp
+has_step cpp && run_step cpp          "${CPP_S:-300}"     0    "$OUT/tests.log"        1     step_cpp
 has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/bench_rope.log" 1 step_bench
 has_step bench-linear && run_step bench-linear "$ROUTED_BENCH_S" $(( 15 + ROUTED_AFTER_LINEAR )) "$OUT/bench_routed.log" 1 step_bench_linear_dual
 has_step bench-ffn && run_step bench-ffn "$ROUTED_BENCH_S" 15 "$OUT/bench_routed.log" 1 step_bench_ffn
