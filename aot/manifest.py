@@ -108,7 +108,8 @@ GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ie
 
 
 # Rows per program of gather_rows_kernel (csrc/ops/routed_gemm.cpp's kGatherRows): it divides the routing ALIGN, so
-# a block of its column sums never mixes experts.
+# a block of its column sums never mixes experts. In the keys ("rows=32"), so that a launcher whose grid assumes
+# another value fails with "no compiled variant" instead of gathering the wrong rows.
 GATHER_BLOCK_R = 32
 
 
@@ -169,14 +170,15 @@ def _gemm_variants() -> List[Variant]:
                 ("M_pad", "i32"), ("C", "i32"), ("stride_src", "i32"), ("stride_dst", "i32")]
         for colsum in (0, 1):
             for spec in (_aligned(args), {}):
-                out.append(Variant("kernels.gemm:gather_rows_kernel", {"dtype": dt, "colsum": colsum}, args,
+                key = {"dtype": dt, "colsum": colsum, "rows": GATHER_BLOCK_R}
+                out.append(Variant("kernels.gemm:gather_rows_kernel", key, args,
                                    {"COLSUM": bool(colsum), "BLOCK_R": GATHER_BLOCK_R, "BLOCK_C": 128}, spec, 4, 1,
                                    ARCHS))
         # expert_colsum: the second pass of the bias gradients (the per-expert sums of gather_rows' colsum).
         args = [("colsum_ptr", "*fp32"), ("seg_ptr", "*i32"), ("sum0_ptr", f"*{dt}"), ("sum1_ptr", f"*{dt}"),
                 ("num_blocks", "i32"), ("C", "i32")]
         for spec in (_aligned(args), {}):
-            out.append(Variant("kernels.gemm:expert_colsum_kernel", {"dtype": dt}, args,
+            out.append(Variant("kernels.gemm:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_BLOCK_R}, args,
                                {"ROWS_PER_BLOCK": GATHER_BLOCK_R, "BLOCK_B": 64, "BLOCK_C": 64}, spec, 4, 1, ARCHS))
     for dt in DTYPES:  # swiglu_backward: elementwise, in place (kernels/swiglu_backward.py); not configurable
         args = [("gate_ptr", f"*{dt}"), ("up_ptr", f"*{dt}"), ("dh_ptr", f"*{dt}"), ("n_rows", "i32"),

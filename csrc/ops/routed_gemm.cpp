@@ -227,7 +227,8 @@ at::Tensor tma_rows(const Gemm& g, const Routing& r, const Rows& a) {
 }  // namespace
 
 namespace {
-constexpr int64_t kGatherRows = 32;  // gather_rows_kernel BLOCK_R (aot/manifest.py GATHER_BLOCK_R); divides kAlign
+// gather_rows_kernel's BLOCK_R (aot/manifest.py GATHER_BLOCK_R, in the key as "rows"); divides kAlign.
+constexpr int64_t kGatherRows = 32;
 static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums must not mix experts");
 
 at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& colsum) {
@@ -238,8 +239,10 @@ at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src,
   a.ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr())
       .ptr(colsum.defined() ? colsum.data_ptr() : r.perm.data_ptr())
       .i32(r.M_pad).i32(C).i32(src.stride(0)).i32(dst.stride(0));
-  launch_on_current_stream("gather_rows_kernel", make_key({{"dtype", g.dt}, {"colsum", flag(colsum.defined())}}), a,
-                           grid(cdiv(r.M_pad, kGatherRows), cdiv(C, 128)), dst);  // BLOCK_C = 128
+  launch_on_current_stream("gather_rows_kernel",
+                           make_key({{"dtype", g.dt}, {"colsum", flag(colsum.defined())},
+                                     {"rows", std::to_string(kGatherRows)}}),
+                           a, grid(cdiv(r.M_pad, kGatherRows), cdiv(C, 128)), dst);  // BLOCK_C = 128
   return dst;
 }
 }  // namespace
@@ -260,8 +263,8 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
   at::Tensor dst = launch_gather(g, r, src, colsum);
   KernelArgs a;
   a.ptr(colsum.data_ptr()).ptr(r.seg.data_ptr()).ptr(sum0.data_ptr()).ptr(sum1.data_ptr()).i32(blocks).i32(C);
-  launch_on_current_stream("expert_colsum_kernel", make_key({{"dtype", g.dt}}), a, grid(cdiv(C, 64)),
-                           colsum);  // BLOCK_C = 64
+  launch_on_current_stream("expert_colsum_kernel", make_key({{"dtype", g.dt}, {"rows", std::to_string(kGatherRows)}}),
+                           a, grid(cdiv(C, 64)), colsum);  // BLOCK_C = 64
   return dst;
 }
 
