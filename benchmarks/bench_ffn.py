@@ -155,13 +155,16 @@ def rel_errs(outs, refs) -> float:
     return max(errs)
 
 
-def measure(res: Results, opts, case, impl, fn, arg_sets, flops, check=None, note="", wbytes=None):
-    """Times fn over the rotating arg_sets, then checks it once. Never raises except on interruption."""
+def measure(res: Results, opts, case, impl, fn, arg_sets, flops, check=None, note="", wbytes=None, best_of=1):
+    """Times fn over the rotating arg_sets, then checks it once. Never raises except on interruption.
+    best_of: the median is taken that many times and the lowest kept. The references a target divides by use 2: a
+    disturbance only ever slows a run down, and a slowed reference would turn a miss into a PASS (seen once: the
+    linear_dual backward's cuBLAS reference at 0.576 ms instead of its usual 0.355)."""
     row = res.add_row(case=case, impl=impl, ms=float("nan"), tflops=float("nan"), gbps=float("nan"), err=None,
                       ok=None, error=None, note=note)
     try:
         with torch.no_grad():
-            ms = common.bench(fn, args=arg_sets, warmup=opts.warmup, rep=opts.rep)
+            ms = min(common.bench(fn, args=arg_sets, warmup=opts.warmup, rep=opts.rep) for _ in range(best_of))
         row["ms"] = ms
         row["tflops"] = flops / (ms * 1e-3) / 1e12 if flops else float("nan")
         if wbytes:
@@ -338,7 +341,8 @@ def case_dual(res: Results, opts, ctx):
     flops = 6.0 * M * H * I
     cub = cublas_useful(ex.w13[1], ex.W2[1], I)
     r_cub = measure(res, opts, "dual", IMPL_CUBLAS, cub, xs, flops, note="x·[W1;W3]ᵀ then ·W2ᵀ, one expert",
-                    check=lambda: rel_err(poisoned_call(cub, x_chk), cublas_useful_ref(x_chk, ex.w13[1], ex.W2[1], I)))
+                    check=lambda: rel_err(poisoned_call(cub, x_chk), cublas_useful_ref(x_chk, ex.w13[1], ex.W2[1], I)),
+                    best_of=2)
     ctx["r_cublas"] = r_cub
     for kind in DUAL_MASKS:
         case = f"dual {kind}"
@@ -389,7 +393,7 @@ def case_single(res: Results, opts, ctx):
             log(f"  (torch.compile: {time.monotonic() - t0:.1f} s)")
             comp = lambda x: compiled(x, w1, w3, w2)  # noqa: E731
             r_comp = measure(res, opts, "single", IMPL_COMPILE, comp, xs, flops, note="inductor, default mode",
-                             check=lambda: rel_err(poisoned_call(comp, x_chk, out_bytes=M * H * 2), ref))
+                             check=lambda: rel_err(poisoned_call(comp, x_chk, out_bytes=M * H * 2), ref), best_of=2)
             ctx["compiled"] = comp
         except Interrupted:
             raise
@@ -472,7 +476,7 @@ def case_bwd(res: Results, opts, ctx):
                          y64.t() @ x64])
 
     r_cub = measure(res, opts, "bwd", IMPL_CUBLAS, cublas, sets, flops, check=cublas_chk,
-                    note="5 GEMMs, 16·M·H·I FLOPs, one expert, no routing")
+                    note="5 GEMMs, 16·M·H·I FLOPs, one expert, no routing", best_of=2)
     mask = ctx.get("mask50")
     if mask is None:
         mask = make_mask("rand50", M, torch.Generator().manual_seed(0))
