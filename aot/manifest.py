@@ -107,12 +107,6 @@ def _rope_variants() -> List[Variant]:
 GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ieee"))
 
 
-# Rows per program of gather_rows_kernel (csrc/ops/routed_gemm.cpp's kGatherRows): it divides the routing ALIGN, so
-# a block of its column sums never mixes experts. In the keys ("rows=32"), so that a launcher whose grid assumes
-# another value fails with "no compiled variant" instead of gathering the wrong rows.
-GATHER_BLOCK_R = 32
-
-
 def _aligned(args) -> Dict[str, object]:
     """Divisibility hints (16) on every pointer and integer argument: 16-byte aligned pointers, sizes and strides
     multiples of 16 elements. Tensor descriptors carry none."""
@@ -164,22 +158,26 @@ def _routing_variants() -> List[Variant]:
 
 
 def _gemm_variants() -> List[Variant]:
+    # The gather's rows per program, from kernels/gemm.py as its Python launchers use it; in the keys ("rows=32"), so
+    # that a C++ launcher whose grid assumes another value fails with "no compiled variant" instead of gathering the
+    # wrong rows.
+    from kernels.gemm import GATHER_ROWS
     out = []
     for dt in DTYPES:  # gather_rows: a copy (colsum=1: with per-block column sums), no precision, not configurable
         args = [("src_ptr", f"*{dt}"), ("dst_ptr", f"*{dt}"), ("perm_ptr", "*i32"), ("colsum_ptr", "*fp32"),
                 ("M_pad", "i32"), ("C", "i32"), ("stride_src", "i32"), ("stride_dst", "i32")]
         for colsum in (0, 1):
             for spec in (_aligned(args), {}):
-                key = {"dtype": dt, "colsum": colsum, "rows": GATHER_BLOCK_R}
+                key = {"dtype": dt, "colsum": colsum, "rows": GATHER_ROWS}
                 out.append(Variant("kernels.gemm:gather_rows_kernel", key, args,
-                                   {"COLSUM": bool(colsum), "BLOCK_R": GATHER_BLOCK_R, "BLOCK_C": 128}, spec, 4, 1,
+                                   {"COLSUM": bool(colsum), "BLOCK_R": GATHER_ROWS, "BLOCK_C": 128}, spec, 4, 1,
                                    ARCHS))
         # expert_colsum: the second pass of the bias gradients (the per-expert sums of gather_rows' colsum).
         args = [("colsum_ptr", "*fp32"), ("seg_ptr", "*i32"), ("sum0_ptr", f"*{dt}"), ("sum1_ptr", f"*{dt}"),
                 ("num_blocks", "i32"), ("C", "i32")]
         for spec in (_aligned(args), {}):
-            out.append(Variant("kernels.gemm:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_BLOCK_R}, args,
-                               {"ROWS_PER_BLOCK": GATHER_BLOCK_R, "BLOCK_B": 64, "BLOCK_C": 64}, spec, 4, 1, ARCHS))
+            out.append(Variant("kernels.gemm:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_ROWS}, args,
+                               {"ROWS_PER_BLOCK": GATHER_ROWS, "BLOCK_B": 64, "BLOCK_C": 64}, spec, 4, 1, ARCHS))
     for dt in DTYPES:  # swiglu_backward: elementwise, in place (kernels/swiglu_backward.py); not configurable
         args = [("gate_ptr", f"*{dt}"), ("up_ptr", f"*{dt}"), ("dh_ptr", f"*{dt}"), ("n_rows", "i32"),
                 ("n_cols", "i32"), ("stride", "i32")]

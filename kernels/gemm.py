@@ -21,6 +21,11 @@ Conventions
 import triton
 import triton.language as tl
 
+# Rows per program of gather_rows_kernel (the AOT manifest compiles this value and puts it in the keys as "rows";
+# csrc/ops/routed_gemm.cpp's kGatherRows must match). It divides the routing ALIGN, so a block of the gather's column
+# sums never mixes experts.
+GATHER_ROWS = 32
+
 
 # ----------------------------------------------------------------------------------------------
 # shared helpers
@@ -581,7 +586,7 @@ def launch_routed_swiglu(a, w1_0, w1_1, w3_0, w3_1, h, perm, seg, N, K, *, gathe
     return h
 
 
-def launch_gather_rows(src, dst, perm, *, BLOCK_R=32, BLOCK_C=128, colsum=None):
+def launch_gather_rows(src, dst, perm, *, BLOCK_R=GATHER_ROWS, BLOCK_C=128, colsum=None):
     """colsum: None, or fp32 [cdiv(M_pad, BLOCK_R), C] that gets the per-block column sums (COLSUM)."""
     M_pad, C = dst.shape
     grid = (triton.cdiv(M_pad, BLOCK_R), triton.cdiv(C, BLOCK_C))
@@ -590,7 +595,7 @@ def launch_gather_rows(src, dst, perm, *, BLOCK_R=32, BLOCK_C=128, colsum=None):
     return dst
 
 
-def launch_expert_colsum(colsum, seg, sum0, sum1, *, ROWS_PER_BLOCK=32, BLOCK_B=64, BLOCK_C=64):
+def launch_expert_colsum(colsum, seg, sum0, sum1, *, ROWS_PER_BLOCK=GATHER_ROWS, BLOCK_B=64, BLOCK_C=64):
     num_blocks, C = colsum.shape
     expert_colsum_kernel[(triton.cdiv(C, BLOCK_C),)](colsum, seg, sum0, sum1, num_blocks, C,
                                                      ROWS_PER_BLOCK=ROWS_PER_BLOCK, BLOCK_B=BLOCK_B,

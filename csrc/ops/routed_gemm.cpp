@@ -227,7 +227,7 @@ at::Tensor tma_rows(const Gemm& g, const Routing& r, const Rows& a) {
 }  // namespace
 
 namespace {
-// gather_rows_kernel's BLOCK_R (aot/manifest.py GATHER_BLOCK_R, in the key as "rows"); divides kAlign.
+// gather_rows_kernel's BLOCK_R (kernels/gemm.py GATHER_ROWS, in the key as "rows"); divides kAlign.
 constexpr int64_t kGatherRows = 32;
 static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums must not mix experts");
 
