@@ -42,27 +42,38 @@ def _type_code(ty: str) -> str:
 
 def _kernel_hash(kernel: str) -> str:
     """Triton's own cache key of a @triton.jit function: its source and that of every jit function it calls."""
+    return _kernel_fn(kernel).cache_key
+
+
+def _kernel_fn(kernel: str):
     mod_name, fn_name = kernel.split(":")
-    return getattr(importlib.import_module(mod_name), fn_name).cache_key
+    return getattr(importlib.import_module(mod_name), fn_name)
+
+
+def _meta(v: manifest.Variant, arch: int) -> dict:
+    """v's constexpr meta-parameters for `arch`: the manifest's, plus PDL (kernels/pdl.py) for the kernels that take
+    it, true where the architecture has programmatic dependent launch (sm_90 and later)."""
+    meta = dict(v.meta)
+    if "PDL" in _kernel_fn(v.kernel).arg_names:
+        meta["PDL"] = arch >= 90
+    return meta
 
 
 def _job_key(v: manifest.Variant, arch: int, triton_version: str) -> str:
-    desc = json.dumps({"kernel": v.kernel, "args": v.args, "meta": {k: str(x) for k, x in v.meta.items()},
+    desc = json.dumps({"kernel": v.kernel, "args": v.args, "meta": {k: str(x) for k, x in _meta(v, arch).items()},
                        "spec": {k: str(x) for k, x in v.spec.items()}, "warps": v.num_warps,
                        "stages": v.num_stages, "arch": arch, "src": _kernel_hash(v.kernel), "triton": triton_version},
                       sort_keys=True)
     return hashlib.sha256(desc.encode()).hexdigest()[:24]
 
 
-def _compile_one(job):
-    """Runs in a worker process: compiles one (variant, arch) and writes cubin/ptx/meta into the cache."""
-    v, arch, cache_dir, key, keep_ptx = job
+def compile_variant(v: manifest.Variant, arch: int):
+    """triton.compile of one variant for one architecture (no GPU needed): the CompiledKernel (asm, metadata)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    mod_name, fn_name = v.kernel.split(":")
-    fn = getattr(importlib.import_module(mod_name), fn_name)
+    fn = _kernel_fn(v.kernel)
     names = list(fn.arg_names)
     signature, constexprs, attrs = {}, {}, {}
     for name, ty in v.args:
@@ -74,21 +85,28 @@ def _compile_one(job):
             signature[name] = ty
             if spec == 16:
                 attrs[(names.index(name),)] = [["tt.divisibility", 16]]
-    for name, value in v.meta.items():
+    for name, value in _meta(v, arch).items():
         signature[name] = "constexpr"
         constexprs[name] = value
     missing = [n for n in names if n not in signature]
     if missing:
         raise ValueError(f"{v.kernel}: manifest gives no value for {missing}")
     src = ASTSource(fn, {n: signature[n] for n in names}, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+
+
+def _compile_one(job):
+    """Runs in a worker process: compiles one (variant, arch) and writes cubin/ptx/meta into the cache."""
+    v, arch, cache_dir, key, keep_ptx = job
     t0 = time.time()
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                       options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+    k = compile_variant(v, arch)
     md = k.metadata
     meta = {"entry": md.name, "shared": md.shared, "num_warps": md.num_warps, "num_ctas": md.num_ctas,
             "global_scratch_size": md.global_scratch_size, "global_scratch_align": md.global_scratch_align,
             "profile_scratch_size": getattr(md, "profile_scratch_size", 0),
             "tensordesc_meta": list(getattr(md, "tensordesc_meta", None) or []),
+            "pdl": int(bool(_meta(v, arch).get("PDL", False))),
             "seconds": round(time.time() - t0, 2)}
     with open(os.path.join(cache_dir, key + ".cubin"), "wb") as f:
         f.write(k.asm["cubin"])
@@ -184,7 +202,7 @@ def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
                 parts.append(f"const TmaMeta {tma}[] = {{" + ", ".join(_tma_row(m) for m in md["tensordesc_meta"]) + "};")
             rows.append(f'{{{arch}, {is_ptx}, {sym}, {size}, "{md["entry"]}", {md["shared"]}, {md["num_warps"]}, '
                         f'{md["num_ctas"]}, {md["global_scratch_size"]}, {md["global_scratch_align"]}, {tma}, '
-                        f'{len(md["tensordesc_meta"])}}}')
+                        f'{len(md["tensordesc_meta"])}, {md.get("pdl", 0)}}}')
         img_rows = ",\n  ".join(rows)
         parts.append(f"const KernelImage v{vi}_images[] = {{\n  {img_rows}}};")
         arg_rows = []

@@ -39,6 +39,10 @@ TORCH_LIBRARY(fused, m) {
   // Turns the input checks that read device memory (cu_seqlens, start_positions: a host sync) on or off;
   // returns the previous setting. They are always skipped during CUDA graph capture.
   m.def("set_sync_checks(bool enabled) -> bool", [](bool enabled) { return fused::set_sync_checks(enabled); });
+  // Programmatic dependent launch of the routed ops' kernels on sm_90 (csrc/runtime/launcher.h) on or off; returns the
+  // previous setting. Results do not change, only how early a kernel may be launched.
+  m.def("set_programmatic_launch(bool enabled) -> bool",
+        [](bool enabled) { return fused::set_programmatic_launch(enabled); });
   // The GPU architectures this build holds kernels for, e.g. "sm_80, sm_89, sm_90 (+PTX sm_80)".
   m.def("built_archs() -> str", []() { return std::string(fused::built_archs()); });
   // The block config ("128x256x64_g8_w8_s3") the launchers pick for `kernel` (e.g. "routed_linear_tma_kernel"),

@@ -21,6 +21,8 @@ Conventions
 import triton
 import triton.language as tl
 
+from kernels.pdl import grid_dependency_sync
+
 # Rows per program of gather_rows_kernel (the AOT manifest compiles this value and puts it in the keys as "rows";
 # csrc/ops/routed_gemm.cpp's kGatherRows must match). It divides the routing ALIGN, so a block of the gather's column
 # sums never mixes experts.
@@ -139,7 +141,8 @@ def routed_linear_kernel(a_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, p
                          HAS_BIAS: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr,
                          W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     num_pid_m = M_pad // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -179,8 +182,9 @@ def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, p
                          GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
     """h = silu(A @ W1_e^T) * (A @ W3_e^T); W1_e, W3_e [N = intermediate, K = hidden]."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     num_pid_m = M_pad // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -229,11 +233,13 @@ def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, p
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def gather_rows_kernel(src_ptr, dst_ptr, perm_ptr, colsum_ptr, M_pad, C, stride_src, stride_dst,
-                       COLSUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       COLSUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """dst[r, :] = src[perm[r], :] (zeros where perm[r] < 0), dst [M_pad, C].
     COLSUM: also colsum[b, :] = the fp32 sum of dst's rows [b * BLOCK_R, (b + 1) * BLOCK_R), colsum
     [cdiv(M_pad, BLOCK_R), C]: the first pass of the bias gradients (expert_colsum_kernel adds the blocks up per
     expert). BLOCK_R divides the routing ALIGN, so a block never holds rows of both experts."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -253,10 +259,12 @@ def gather_rows_kernel(src_ptr, dst_ptr, perm_ptr, colsum_ptr, M_pad, C, stride_
 
 @triton.jit
 def expert_colsum_kernel(colsum_ptr, seg_ptr, sum0_ptr, sum1_ptr, num_blocks, C,
-                         ROWS_PER_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+                         ROWS_PER_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """sum_e[c] = sum of colsum[b, c] over the blocks b of expert e (block b holds expert-ordered rows from
     b * ROWS_PER_BLOCK; expert 1's start at seg[1]). Grid (cdiv(C, BLOCK_C),); a fixed order of fp32 additions, so
     the result is deterministic. With gather_rows_kernel(COLSUM) over dY: the bias gradients db_e = sum of dY_e."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
     start1 = tl.load(seg_ptr + 1)
@@ -303,11 +311,12 @@ def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm
                              W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr,
-                             FLATTEN: tl.constexpr):
+                             FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
     (W_TRANSPOSED: [2, K, N] block [1, BK, BN]).  Persistent over the row tiles of _row_tiles x cdiv(N, BN): with
     SCATTER_OUT only the tiles that hold rows, else every tile below end = seg[2] (an expert-ordered output is written
     up to end, padding rows included)."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, SCATTER_OUT == False)  # noqa: E712
@@ -336,11 +345,12 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr
                                     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr,
-                                    FLATTEN: tl.constexpr):
+                                    FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """The forward of routed_linear_tma_kernel (W through TMA, output rows scattered) with A in token order, its rows
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
     of docs/perf.md ("gather inside the GEMM"), measured against gather + routed_linear_tma_kernel by aot/tune.py.
     Persistent over the tiles that hold rows."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
@@ -377,10 +387,11 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
                              SCATTER_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr,
-                             FLATTEN: tl.constexpr):
+                             FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """a_desc: [M_pad, K] block [BM, BK]; w1_desc / w3_desc: stacked [2, N, K] block [1, BN, BK]. Persistent over
     the tiles that hold rows: rows of h past each expert's last row tile are not written (only the down projection
     reads h, and its padding rows' outputs are not stored)."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
@@ -401,12 +412,13 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
 def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_hm, up_first,
                                   INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                  FLATTEN: tl.constexpr):
+                                  FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """routed_swiglu_tma_kernel with the gate and up tiles fetched by one TMA load and multiplied by one MMA of
     2 x BLOCK_N columns: w13_desc is a rank-4 descriptor [2, E, N, K] over both projections (dimension 0: the two
     weight tensors, at whatever distance they lie in memory; block [2, 1, BN, BK]). up_first = 1 when dimension 0
     holds up before gate (w3 lies below w1 in memory). The accumulator [BM, 2 BN] splits into gate and up in the
     epilogue."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
@@ -430,9 +442,10 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, M_
 def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_am,
                                     stride_hm, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                    FLATTEN: tl.constexpr):
+                                    FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """routed_swiglu_tma_kernel with x in token order, its rows gathered through perm inside the main loop (no
     [M_pad, H] gather copy); h expert-ordered as there (rows past each expert's last row tile not written)."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
@@ -461,12 +474,13 @@ def routed_grad_weight_kernel(dy_ptr, x_ptr, perm_ptr, seg_ptr, dw0_ptr, dw1_ptr
                               GATHER: tl.constexpr, HAS_DBIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
                               INPUT_PRECISION: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                              GROUP_N: tl.constexpr):
+                              GROUP_N: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (2 * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K),).  Programs [0, T) expert 0, [T, 2T) expert 1.
 
     GATHER=True : dY [M, N] and X [M, K] in original row order, rows read through perm.
     GATHER=False: dY [M_pad, N], X [M_pad, K] expert-ordered padded buffers (padding rows skipped).
     """
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_k = tl.cdiv(K, BLOCK_K)
@@ -521,13 +535,14 @@ def routed_grad_weight_kernel(dy_ptr, x_ptr, perm_ptr, seg_ptr, dw0_ptr, dw1_ptr
 def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_ptr, dw1_ptr, N, K, stride_dwn,
                                   INPUT_PRECISION: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                                  GROUP_N: tl.constexpr):
+                                  GROUP_N: tl.constexpr, PDL: tl.constexpr = False):
     """dW_e = dY_e^T X_e over expert-ordered buffers (sm_90): dy_desc [M_pad, N] block [BR, BN], x_desc
     [M_pad, K] block [BR, BK]. Expert 0 owns rows [seg[0], seg[1]), expert 1 rows [seg[1], seg[2]): both bounds are
     multiples of the routing ALIGN (BLOCK_R divides it) and padding rows are zero, so every step is a whole, unmasked
     TMA tile. Grid (2 * cdiv(N, BN) * cdiv(K, BK),) as the pointer kernel; no atomics, deterministic. Bias gradients
     are not summed here: a row sum in the loop costs every program a pass of the dY tile through registers (the
     launcher gets them as dY^T times the expert's row indicator, a GEMV)."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_k = tl.cdiv(K, BLOCK_K)

@@ -22,6 +22,8 @@ Kernels:
 import triton
 import triton.language as tl
 
+from kernels.pdl import grid_dependency_sync
+
 NUM_EXPERTS = 2
 ONE_BLOCK = 4096  # routing_one_block_kernel's BLOCK: masks of up to this many rows are routed in one launch
 SINGLE_BLOCK = 1024  # routing_single_kernel's BLOCK
@@ -37,7 +39,8 @@ def num_route_blocks(M: int, chunk: int) -> int:
 
 
 @triton.jit
-def routing_count_kernel(mask_ptr, block_counts_ptr, M, CHUNK: tl.constexpr):
+def routing_count_kernel(mask_ptr, block_counts_ptr, M, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     valid = offs < M
@@ -83,7 +86,8 @@ def _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN: tl.constexpr):
 
 @triton.jit
 def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_pad, num_blocks,
-                           CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+                           CHUNK: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     # Exclusive prefix of the per-block counts (rows of each expert in earlier blocks) + totals.
     base0 = tl.zeros([CHUNK], dtype=tl.int32)
@@ -110,9 +114,11 @@ def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_p
 
 
 @triton.jit
-def routing_one_block_kernel(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+def routing_one_block_kernel(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                             PDL: tl.constexpr = False):
     """Both routing steps in one program for M <= BLOCK: one launch instead of two (decode and prefill up to BLOCK
     tokens; the launches are a visible part of a decode step)."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     offs = tl.arange(0, BLOCK)
     valid = offs < M
     m = tl.load(mask_ptr + offs, mask=valid, other=0)
@@ -123,9 +129,11 @@ def routing_one_block_kernel(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.co
 
 
 @triton.jit
-def routing_single_kernel(perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+def routing_single_kernel(perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """One expert (every row is expert 0): perm = [0, 1, .., M-1, -1, ..] over M_pad entries and
     seg = [0, end, end, M, 0] with end = roundup(M, ALIGN). Grid (cdiv(M_pad, BLOCK),)."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     tl.store(perm_ptr + offs, tl.where(offs < M, offs, -1), mask=offs < M_pad)

@@ -11,10 +11,13 @@ dh <- d_gate): every element is loaded by the thread that stores it, before it s
 import triton
 import triton.language as tl
 
+from kernels.pdl import grid_dependency_sync
+
 
 @triton.jit
 def swiglu_backward_kernel(gate_ptr, up_ptr, dh_ptr, n_rows, n_cols, stride,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)

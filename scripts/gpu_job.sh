@@ -169,6 +169,12 @@ step_tests_gpu() {
     local d deselect=()
     for d in ${TESTS_GPU_DESELECT:-}; do deselect+=(--deselect "$d"); done
     "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests "${deselect[@]}"
+    local rc=$?
+    # The PDL checks of the compiled PTX (CPU tier, run by CI with its triton) again with the triton that built the
+    # kernels this job just tested.
+    echo "--- tests/test_pdl.py CPU tier with this machine's triton"
+    "$PY" -m pytest -q -ra -p no:cacheprovider -m "not gpu" tests/test_pdl.py || rc=$?
+    return $rc
 }
 
 step_repro() {

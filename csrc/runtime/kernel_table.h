@@ -39,6 +39,7 @@ struct KernelImage {
   int global_scratch_align;
   const TmaMeta* tma;  // one per tensor-descriptor argument, in argument order
   int num_tma;
+  int pdl;  // compiled with PDL (kernels/pdl.py): launched with programmatic stream serialization
 };
 
 struct KernelVariant {

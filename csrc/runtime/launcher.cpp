@@ -1,5 +1,7 @@
 #include "runtime/launcher.h"
 
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -48,6 +50,11 @@ struct PairHash {
     return std::hash<const void*>()(p.first) * 31 + std::hash<const void*>()(p.second);
   }
 };
+
+std::atomic<bool> g_pdl{[] {
+  const char* v = std::getenv("FUSED_PDL");
+  return !(v && std::strcmp(v, "0") == 0);
+}()};
 
 std::mutex g_mutex;  // guards the caches below; module loading happens under it (first use only)
 std::unordered_map<int, Device> g_devices;
@@ -212,6 +219,8 @@ int device_sm_count(int device) {
   return device_info(api, device).sm_count;
 }
 
+bool set_programmatic_launch(bool enabled) { return g_pdl.exchange(enabled); }
+
 bool stream_is_capturing(CUstream stream) {
   CUstreamCaptureStatus status;
   check(driver().StreamIsCapturing(stream, &status), "cuStreamIsCapturing");
@@ -280,6 +289,8 @@ void launch(const char* kernel, const std::string& key, const KernelArgs& args, 
   CUlaunchConfig cfg;
   std::memset(&cfg, 0, sizeof cfg);
   CUlaunchAttribute attrs[2];
+  std::memset(attrs, 0, sizeof attrs);
+  cfg.attrs = attrs;
   cfg.gridDimX = grid.x * lf.image->num_ctas;
   cfg.gridDimY = grid.y;
   cfg.gridDimZ = grid.z;
@@ -289,13 +300,17 @@ void launch(const char* kernel, const std::string& key, const KernelArgs& args, 
   cfg.sharedMemBytes = lf.image->shared_bytes;
   cfg.hStream = stream;
   if (lf.image->num_ctas > 1) {
-    std::memset(attrs, 0, sizeof attrs);
-    attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attrs[0].value.clusterDim.x = lf.image->num_ctas;
-    attrs[0].value.clusterDim.y = 1;
-    attrs[0].value.clusterDim.z = 1;
-    cfg.attrs = attrs;
-    cfg.numAttrs = 1;
+    CUlaunchAttribute& a = attrs[cfg.numAttrs++];
+    a.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    a.value.clusterDim.x = lf.image->num_ctas;
+    a.value.clusterDim.y = 1;
+    a.value.clusterDim.z = 1;
+  }
+  // The kernel waits for its predecessor before any memory access (kernels/pdl.py), so it may be launched early.
+  if (lf.image->pdl && g_pdl.load(std::memory_order_relaxed)) {
+    CUlaunchAttribute& a = attrs[cfg.numAttrs++];
+    a.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    a.value.programmaticStreamSerializationAllowed = 1;
   }
   check(api.LaunchKernelEx(&cfg, lf.fn, params, nullptr), (std::string("launching ") + kernel).c_str());
 }

@@ -68,6 +68,12 @@ bool has_variant(const char* kernel, const std::string& key);
 int device_capability(int device);
 int device_sm_count(int device);
 
+// Programmatic dependent launch (kernels/pdl.py): kernels compiled with it (the routed ops' kernels on sm_90) start
+// while the previous kernel in the stream finishes, and wait for it before touching memory. On by default unless the
+// environment sets FUSED_PDL=0; returns the previous setting. For A/B measurements and as a switch-off if a driver
+// misbehaves: results are the same either way.
+bool set_programmatic_launch(bool enabled);
+
 // Whether `stream` is capturing a CUDA graph.
 bool stream_is_capturing(CUstream stream);
 

@@ -40,6 +40,14 @@ def set_sync_checks(enabled: bool) -> bool:
     return _torch.ops.fused.set_sync_checks(enabled)
 
 
+def set_programmatic_launch(enabled: bool) -> bool:
+    """Turns programmatic dependent launch of the routed ops' kernels (linear_dual, ffn) on sm_90 on or off; returns
+    the previous setting. On (the default, unless the environment sets ``FUSED_PDL=0``), each kernel may start while
+    the one before it in the stream finishes, waiting for it before it reads or writes memory: the launch latency
+    between the kernels of an op overlaps the previous kernel's tail. Results are identical either way."""
+    return _torch.ops.fused.set_programmatic_launch(enabled)
+
+
 def built_archs() -> str:
     """The GPU architectures this build holds kernels for."""
     return _torch.ops.fused.built_archs()
@@ -54,5 +62,5 @@ def kernel_config(kernel: str, family: str, m: int, cc: int = 90) -> str:
 
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "linear_dual", "DualLinear",
-           "ffn", "FusedSwiGLU", "DualExpertSwiGLU", "set_sync_checks", "built_archs", "kernel_config",
-           "library_path"]
+           "ffn", "FusedSwiGLU", "DualExpertSwiGLU", "set_sync_checks", "set_programmatic_launch", "built_archs",
+           "kernel_config", "library_path"]
