@@ -25,6 +25,8 @@ DualExpertSwiGLU stores them):
   decode  M = 1, 2, 4, 8, 16: bandwidth of reading the weights (3·I·H·2 bytes per expert used) vs the device copy
           bandwidth (read + write; copies of one and of two experts' bytes, the higher of the two is the ceiling;
           target >= 80%), single and dual (random mask with both experts present for M >= 2).
+The fused op is also timed with programmatic dependent launch off ("fused_ops PDL off": dual rand50 and every decode
+case): what launching each kernel early saves (information, no target).
 
 TFLOP/s count useful work only (6·M·H·I forward: each token through one expert).
 Timing: benchmarks/common.py (median of CUDA-event times, inputs rotated past 2x L2, GPU held while reps enqueue).
@@ -45,7 +47,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -54,8 +55,10 @@ if HERE not in sys.path:
 # one in-process compile worker is plenty for the single small graph compiled here
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+from routed_harness import (ERR_TOL, Interrupted, Results, cleanup, die_env, json_clean, log, measure,  # noqa: E402
+                            measure_pdl_off, on_signal, poisoned_call, ratio, rel_err, rel_errs)
+
 NAME = "bench_ffn"
-ERR_TOL = 1e-2
 TARGET_DUAL_VS_CUBLAS = 1.05
 TARGET_SINGLE_VS_COMPILE = 0.95
 TARGET_BWD_VS_CUBLAS = 1.15
@@ -77,141 +80,7 @@ common = None
 DEV = None
 
 
-class Interrupted(BaseException):
-    pass
-
-
-def _on_signal(signum, frame):  # noqa: ARG001
-    raise Interrupted(f"signal {signum}")
-
-
-def die_env(msg: str) -> None:
-    print(f"{NAME}: cannot run: {msg}", file=sys.stderr, flush=True)
-    print(f"{NAME}: SKIPPED ({msg})", flush=True)
-    sys.exit(2)
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 # =============================================================================== bookkeeping
-class Results:
-    def __init__(self):
-        self.rows: list[dict] = []
-        self.targets: list[dict] = []
-        self.errors: list[dict] = []
-
-    def add_row(self, **row) -> dict:
-        self.rows.append(row)
-        return row
-
-    def error(self, where: str, exc: BaseException) -> str:
-        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
-        msg = msg if len(msg) <= 400 else msg[:400] + " ..."
-        self.errors.append({"where": where, "error": msg, "traceback": traceback.format_exc(limit=6)})
-        log(f"  !! {where}: {msg}")
-        return msg
-
-    def target(self, name: str, value, thr: float, le: bool, unit: str, rows=(), status=None, why="") -> None:
-        """Records and prints one target; FAIL when a row it depends on errored or produced a wrong output."""
-        t = {"name": name, "value": value, "threshold": thr, "cmp": "<=" if le else ">=", "status": "FAIL",
-             "why": why}
-        bad = [r for r in rows if r is None or r.get("error") or r.get("ok") is False]
-        if status is not None:
-            t["status"] = status
-        elif bad:
-            t["why"] = "; ".join("not measured" if r is None else
-                                 (f"{r['impl']}: error" if r.get("error") else f"{r['impl']}: wrong output")
-                                 for r in bad)
-        elif value is None or value != value:
-            t["why"] = t["why"] or "no measurement"
-        elif (value <= thr) if le else (value >= thr):
-            t["status"] = "PASS"
-        t["shown"] = f"{value:.3f}{unit}" if value is not None and value == value else "n/a"
-        self.targets.append(t)
-        log(f"- {t['status']}: {name}: {t['shown']} ({t['cmp']} {thr}{unit})" + (f" ({t['why']})" if t["why"] else ""))
-
-
-def rel_err(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64 (nan if out has a non-finite value or the wrong shape)."""
-    if tuple(out.shape) != tuple(ref.shape):
-        raise RuntimeError(f"output shape {tuple(out.shape)} != expected {tuple(ref.shape)}")
-    o = out.double()
-    if not bool(torch.isfinite(o).all()):
-        return float("nan")
-    den = float(ref.norm())
-    return float((o - ref).norm()) / den if den > 0 else float(o.norm())
-
-
-def rel_errs(outs, refs) -> float:
-    """Largest rel_err over paired outputs; a zero reference (an expert without tokens) demands exact zeros."""
-    errs = []
-    for o, r in zip(outs, refs):
-        if float(r.norm()) == 0:
-            errs.append(0.0 if not bool(o.any()) else float("inf"))
-        else:
-            errs.append(rel_err(o, r))
-    return max(errs)
-
-
-def measure(res: Results, opts, case, impl, fn, arg_sets, flops, check=None, note="", wbytes=None, best_of=1):
-    """Times fn over the rotating arg_sets, then checks it once. Never raises except on interruption.
-    best_of: the median is taken that many times and the lowest kept. The references a target divides by use 2: a
-    disturbance only ever slows a run down, and a slowed reference would turn a miss into a PASS (seen once: the
-    linear_dual backward's cuBLAS reference at 0.576 ms instead of its usual 0.355)."""
-    row = res.add_row(case=case, impl=impl, ms=float("nan"), tflops=float("nan"), gbps=float("nan"), err=None,
-                      ok=None, error=None, note=note)
-    try:
-        with torch.no_grad():
-            ms = min(common.bench(fn, args=arg_sets, warmup=opts.warmup, rep=opts.rep) for _ in range(best_of))
-        row["ms"] = ms
-        row["tflops"] = flops / (ms * 1e-3) / 1e12 if flops else float("nan")
-        if wbytes:
-            row["gbps"] = common.gbps(wbytes, ms)
-    except Interrupted:
-        raise
-    except Exception as e:  # noqa: BLE001
-        row["error"] = res.error(f"{case}/{impl} timing", e)
-        row["ok"] = False
-        return row
-    if check is not None:
-        try:
-            with torch.no_grad():
-                err = check()
-            row["err"] = err
-            row["ok"] = bool(err == err and err < ERR_TOL)
-            if not row["ok"]:
-                log(f"  !! {case}/{impl}: WRONG OUTPUT, err={err:.3g} (tol {ERR_TOL})")
-        except Interrupted:
-            raise
-        except Exception as e:  # noqa: BLE001
-            row["error"] = res.error(f"{case}/{impl} correctness", e)
-            row["ok"] = False
-    log(f"  {case:16s} {impl:16s} {row['ms']:.4f} ms  {row['tflops']:6.1f} TFLOP/s"
-        + (f"  {row['gbps']:.0f} GB/s weights" if wbytes else "")
-        + (f"  err={row['err']:.1e}" if row["err"] is not None else ""))
-    return row
-
-
-def ratio(a: dict, b: dict) -> float:
-    return a["ms"] / b["ms"] if a and b and a["ms"] == a["ms"] and b["ms"] == b["ms"] and b["ms"] > 0 else float("nan")
-
-
-def cleanup():
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def poisoned_call(fn, *args, out_bytes=0):
-    """fn(*args) after leaving a NaN block of out_bytes in the allocator (an unwritten output shows NaN)."""
-    if out_bytes:
-        p = torch.full((out_bytes // 4 + 1,), float("nan"), dtype=torch.float32, device=DEV)
-        del p
-    return fn(*args)
-
-
 # =============================================================================== inputs, implementations, references
 def make_mask(kind: str, M: int, gen) -> "torch.Tensor":
     if kind == "rand50":
@@ -356,6 +225,8 @@ def case_dual(res: Results, opts, ctx):
                                (IMPL_WHERE, where, "2x the FLOPs")):
             rows[impl] = measure(res, opts, case, impl, fn, xs, flops, note=note,
                                  check=lambda fn=fn: rel_err(poisoned_call(fn, x_chk, out_bytes=M * H * 2), ref))
+        if kind == "rand50":
+            measure_pdl_off(res, opts, case, fused, xs, flops)
         f = rows[IMPL_FUSED]
         rc = ratio(f, r_cub)
         f["note"] = (f"{rc:.3f}x cuBLAS useful; speedup {ratio(rows[IMPL_GATHER], f):.2f}x vs gather+cuBLAS, "
@@ -536,6 +407,7 @@ def case_decode(res: Results, opts, ctx):
                         check=lambda fused=fused, x=x, ref=ref: rel_err(poisoned_call(fused, x, out_bytes=M * H * 2),
                                                                          ref),
                         note=f"{n_exp} expert(s): {wbytes / 2**20:.0f} MiB of weights")
+            measure_pdl_off(res, opts, case, fused, [(x,)], 6.0 * M * H * I, wbytes=wbytes)
             if kind == "dual" and M in (1, 16):
                 g = measure(res, opts, case, IMPL_GATHER, gather_dual(ex, mask), [(x,)], 6.0 * M * H * I,
                             wbytes=wbytes, note="info",
@@ -577,16 +449,6 @@ def render_markdown(res: Results, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _clean(o):
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o
-
-
 # =============================================================================== main
 CASES = ("dual", "single", "memory", "bwd", "decode")
 
@@ -617,24 +479,24 @@ def main(argv=None) -> int:
         import torch as _torch
         import torch.nn.functional as _F
     except Exception as e:  # noqa: BLE001
-        die_env(f"torch is not importable ({type(e).__name__}: {e})")
+        die_env(NAME, f"torch is not importable ({type(e).__name__}: {e})")
     torch, F = _torch, _F
     import common as _common
 
     common = _common
     if not torch.cuda.is_available():
-        die_env("CUDA is not available (torch.cuda.is_available() is False); run this on the GPU machine")
+        die_env(NAME, "CUDA is not available (torch.cuda.is_available() is False); run this on the GPU machine")
     try:
         import fused_ops  # noqa: F401  (loads the library and registers torch.ops.fused.*)
     except Exception as e:  # noqa: BLE001
-        die_env(f"`import fused_ops` failed ({type(e).__name__}: {e}); build and install the package first "
+        die_env(NAME, f"`import fused_ops` failed ({type(e).__name__}: {e}); build and install the package first "
                 "(python3 -m pip install --no-build-isolation --no-deps .)")
     missing = [op for op in ("ffn", "ffn_backward") if not hasattr(torch.ops.fused, op)]
     if missing:
-        die_env(f"torch.ops.fused.{', '.join(missing)} not registered after `import fused_ops` (older build?)")
+        die_env(NAME, f"torch.ops.fused.{', '.join(missing)} not registered after `import fused_ops` (older build?)")
     DEV = torch.device("cuda", torch.cuda.current_device())
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     torch.manual_seed(0)
     meta = {"device": common.device_name(DEV), "torch": torch.__version__, "cuda": torch.version.cuda,
             "l2_bytes": common.l2_cache_bytes(DEV), "warmup": opts.warmup, "rep": opts.rep,
@@ -683,7 +545,7 @@ def main(argv=None) -> int:
             with open(os.path.join(opts.out, f"{NAME}.md"), "w") as f:
                 f.write(md)
             with open(os.path.join(opts.out, f"{NAME}.json"), "w") as f:
-                json.dump(_clean({"meta": meta, "rows": res.rows, "targets": res.targets, "errors": res.errors}), f,
+                json.dump(json_clean({"meta": meta, "rows": res.rows, "targets": res.targets, "errors": res.errors}), f,
                           indent=1)
         except Exception as e:  # noqa: BLE001
             log(f"  could not write outputs to {opts.out}: {type(e).__name__}: {e}")

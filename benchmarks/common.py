@@ -36,6 +36,7 @@ whenever the CPU is slower than the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -159,6 +160,17 @@ def bench(
     del ring
     med = statistics.median(times)
     return (med, times) if return_all else med
+
+
+@contextlib.contextmanager
+def programmatic_launch(enabled: bool):
+    """fused_ops' programmatic dependent launch on or off inside the block (A/B rows of the routed benchmarks)."""
+    import fused_ops
+    prev = fused_ops.set_programmatic_launch(enabled)
+    try:
+        yield
+    finally:
+        fused_ops.set_programmatic_launch(prev)
 
 
 def gbps(nbytes: float, ms: float) -> float:

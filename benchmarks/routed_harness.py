@@ -1,0 +1,178 @@
+"""What the routed benchmarks (bench_linear_dual.py, bench_ffn.py) share: result bookkeeping with PASS/FAIL targets,
+one timed-and-checked measurement per implementation, and the small helpers around it.
+
+Torch is imported inside the functions: a benchmark imports this module before it knows whether torch (and CUDA) is
+there, and says SKIPPED when it is not.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import sys
+import traceback
+
+import common
+
+ERR_TOL = 1e-2  # ||out - ref|| / ||ref|| above this and a measured implementation counts as wrong
+
+
+class Interrupted(BaseException):
+    pass
+
+
+def on_signal(signum, frame):  # noqa: ARG001
+    raise Interrupted(f"signal {signum}")
+
+
+def die_env(name: str, msg: str) -> None:
+    print(f"{name}: cannot run: {msg}", file=sys.stderr, flush=True)
+    print(f"{name}: SKIPPED ({msg})", flush=True)
+    sys.exit(2)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Results:
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.targets: list[dict] = []
+        self.errors: list[dict] = []
+
+    def add_row(self, **row) -> dict:
+        self.rows.append(row)
+        return row
+
+    def error(self, where: str, exc: BaseException) -> str:
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+        msg = msg if len(msg) <= 400 else msg[:400] + " ..."
+        self.errors.append({"where": where, "error": msg, "traceback": traceback.format_exc(limit=6)})
+        log(f"  !! {where}: {msg}")
+        return msg
+
+    def target(self, name: str, value, thr: float, le: bool, unit: str, rows=(), status=None, why="") -> None:
+        """Records and prints one target; FAIL when a row it depends on errored or produced a wrong output.
+        status / why: a fixed outcome (e.g. "N/A" for a case switched off) and its reason."""
+        t = {"name": name, "value": value, "threshold": thr, "cmp": "<=" if le else ">=", "status": "FAIL",
+             "why": why}
+        bad = [r for r in rows if r is None or r.get("error") or r.get("ok") is False]
+        if status is not None:
+            t["status"] = status
+        elif bad:
+            t["why"] = "; ".join("not measured" if r is None else
+                                 (f"{r['impl']}: error" if r.get("error") else f"{r['impl']}: wrong output")
+                                 for r in bad)
+        elif value is None or value != value:
+            t["why"] = t["why"] or "no measurement"
+        elif (value <= thr) if le else (value >= thr):
+            t["status"] = "PASS"
+        t["shown"] = f"{value:.3f}{unit}" if value is not None and value == value else "n/a"
+        self.targets.append(t)
+        log(f"- {t['status']}: {name}: {t['shown']} ({t['cmp']} {thr}{unit})" + (f" ({t['why']})" if t["why"] else ""))
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (nan if out has a non-finite value; an error for the wrong shape)."""
+    import torch
+    if tuple(out.shape) != tuple(ref.shape):
+        raise RuntimeError(f"output shape {tuple(out.shape)} != expected {tuple(ref.shape)}")
+    o = out.double()
+    if not bool(torch.isfinite(o).all()):
+        return float("nan")
+    den = float(ref.norm())
+    return float((o - ref).norm()) / den if den > 0 else float(o.norm())
+
+
+def rel_errs(outs, refs) -> float:
+    """Largest rel_err over paired outputs; a zero reference (an expert without tokens) demands exact zeros."""
+    errs = []
+    for o, r in zip(outs, refs):
+        if float(r.norm()) == 0:
+            errs.append(0.0 if not bool(o.any()) else float("inf"))
+        else:
+            errs.append(rel_err(o, r))
+    return max(errs)
+
+
+def ratio(a: dict, b: dict) -> float:
+    """a's time / b's time (nan when either is missing)."""
+    return a["ms"] / b["ms"] if a and b and a["ms"] == a["ms"] and b["ms"] == b["ms"] and b["ms"] > 0 else float("nan")
+
+
+def measure(res: Results, opts, case, impl, fn, arg_sets, flops, check=None, note="", wbytes=None, best_of=1):
+    """Times fn over the rotating arg_sets (common.bench: median of CUDA-event times after opts.warmup calls, over
+    opts.rep calls), then checks it once (check() returns its relative error). Never raises except on interruption.
+    best_of: the median is taken that many times and the lowest kept. The references a target divides by use 2: a
+    disturbance only ever slows a run down, and a slowed reference would turn a miss into a PASS (seen once: the
+    linear_dual backward's cuBLAS reference at 0.576 ms instead of its usual 0.355)."""
+    import torch
+    row = res.add_row(case=case, impl=impl, ms=float("nan"), tflops=float("nan"), gbps=float("nan"), err=None,
+                      ok=None, error=None, note=note)
+    try:
+        with torch.no_grad():
+            ms = min(common.bench(fn, args=arg_sets, warmup=opts.warmup, rep=opts.rep) for _ in range(best_of))
+        row["ms"] = ms
+        row["tflops"] = flops / (ms * 1e-3) / 1e12 if flops else float("nan")
+        if wbytes:
+            row["gbps"] = common.gbps(wbytes, ms)
+    except Interrupted:
+        raise
+    except Exception as e:  # noqa: BLE001
+        row["error"] = res.error(f"{case}/{impl} timing", e)
+        row["ok"] = False
+        return row
+    if check is not None:
+        try:
+            with torch.no_grad():
+                err = check()
+            row["err"] = err
+            row["ok"] = bool(err == err and err < ERR_TOL)
+            if not row["ok"]:
+                log(f"  !! {case}/{impl}: WRONG OUTPUT, err={err:.3g} (tol {ERR_TOL})")
+        except Interrupted:
+            raise
+        except Exception as e:  # noqa: BLE001
+            row["error"] = res.error(f"{case}/{impl} correctness", e)
+            row["ok"] = False
+    log(f"  {case:16s} {impl:16s} {row['ms']:.4f} ms  {row['tflops']:6.1f} TFLOP/s"
+        + (f"  {row['gbps']:.0f} GB/s weights" if wbytes else "")
+        + (f"  err={row['err']:.1e}" if row["err"] is not None else ""))
+    return row
+
+
+IMPL_NOPDL = "fused_ops PDL off"
+
+
+def measure_pdl_off(res: Results, opts, case, fn, arg_sets, flops, **kw):
+    """The fused op again with programmatic dependent launch off (information: what PDL saves; no target)."""
+    with common.programmatic_launch(False):
+        return measure(res, opts, case, IMPL_NOPDL, fn, arg_sets, flops, note="info: launch without PDL", **kw)
+
+
+def poisoned_call(fn, *args, out_bytes=0):
+    """fn(*args) after leaving a NaN block of out_bytes in the current device's allocator (an unwritten output
+    shows NaN)."""
+    import torch
+    if out_bytes:
+        p = torch.full((out_bytes // 4 + 1,), float("nan"), dtype=torch.float32, device="cuda")
+        del p
+    return fn(*args)
+
+
+def cleanup():
+    import torch
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def json_clean(o):
+    """o with non-finite floats as None (strict JSON)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {str(k): json_clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_clean(v) for v in o]
+    return o
