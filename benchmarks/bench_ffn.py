@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
-import signal
 import sys
 import time
 
@@ -55,8 +53,8 @@ if HERE not in sys.path:
 # one in-process compile worker is plenty for the single small graph compiled here
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-from routed_harness import (ERR_TOL, Interrupted, Results, cleanup, die_env, json_clean, log, measure,  # noqa: E402
-                            measure_pdl_off, on_signal, poisoned_call, ratio, rel_err, rel_errs)
+from routed_harness import (Interrupted, Results, cleanup, finish, log, measure, measure_pdl_off,  # noqa: E402
+                            open_device, poisoned_call, ratio, rel_err, rel_errs, run_cases)
 
 NAME = "bench_ffn"
 TARGET_DUAL_VS_CUBLAS = 1.05
@@ -474,89 +472,23 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     global torch, F, common, DEV
     opts = parse_args(argv)
-    t_start = time.monotonic()
-    try:
-        import torch as _torch
-        import torch.nn.functional as _F
-    except Exception as e:  # noqa: BLE001
-        die_env(NAME, f"torch is not importable ({type(e).__name__}: {e})")
-    torch, F = _torch, _F
+    torch, F, DEV = open_device(NAME, ("ffn", "ffn_backward"))
     import common as _common
 
     common = _common
-    if not torch.cuda.is_available():
-        die_env(NAME, "CUDA is not available (torch.cuda.is_available() is False); run this on the GPU machine")
-    try:
-        import fused_ops  # noqa: F401  (loads the library and registers torch.ops.fused.*)
-    except Exception as e:  # noqa: BLE001
-        die_env(NAME, f"`import fused_ops` failed ({type(e).__name__}: {e}); build and install the package first "
-                "(python3 -m pip install --no-build-isolation --no-deps .)")
-    missing = [op for op in ("ffn", "ffn_backward") if not hasattr(torch.ops.fused, op)]
-    if missing:
-        die_env(NAME, f"torch.ops.fused.{', '.join(missing)} not registered after `import fused_ops` (older build?)")
-    DEV = torch.device("cuda", torch.cuda.current_device())
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    torch.manual_seed(0)
-    meta = {"device": common.device_name(DEV), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "l2_bytes": common.l2_cache_bytes(DEV), "warmup": opts.warmup, "rep": opts.rep,
-            "cases": sorted(opts.only), "err_tol": ERR_TOL, "interrupted": None}
-    log(f"{NAME}: device {meta['device']}  torch {meta['torch']}  CUDA {meta['cuda']}  "
-        f"L2 {meta['l2_bytes'] / 2**20:.0f} MiB  warmup {opts.warmup} rep {opts.rep}")
-
-    res = Results()
     ctx = {}
-    try:
-        t0 = time.monotonic()
+
+    def setup():  # the experts' weights and the rotating inputs every m = 4096 case shares
         ctx["ex"] = Experts(HID, INTER, torch.bfloat16)
         nsets = common.rotation_count(M_TOK * HID * 2)
         ctx["xs"] = [(torch.randn(M_TOK, HID, device=DEV, dtype=torch.bfloat16),) for _ in range(nsets)]
         ctx["x_chk"] = torch.randn(M_TOK, HID, device=DEV, dtype=torch.bfloat16)
-        log(f"  (setup: {time.monotonic() - t0:.1f} s)")
-        for name, run in (("dual", case_dual), ("single", case_single), ("memory", case_memory),
-                          ("bwd", case_bwd), ("decode", case_decode)):
-            if name not in opts.only:
-                continue
-            t0 = time.monotonic()
-            try:
-                run(res, opts, ctx)
-            except Interrupted:
-                raise
-            except Exception as e:  # noqa: BLE001
-                res.error(f"case {name}", e)
-                try:
-                    cleanup()
-                except Exception:  # noqa: BLE001
-                    pass
-            log(f"  ({name}: {time.monotonic() - t0:.1f} s)")
-    except Interrupted as e:
-        meta["interrupted"] = str(e)
-        log(f"interrupted ({e}); reporting partial results")
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    md = render_markdown(res, meta)
-    print("\n" + md, flush=True)
-    if opts.out:
-        try:
-            os.makedirs(opts.out, exist_ok=True)
-            with open(os.path.join(opts.out, f"{NAME}.md"), "w") as f:
-                f.write(md)
-            with open(os.path.join(opts.out, f"{NAME}.json"), "w") as f:
-                json.dump(json_clean({"meta": meta, "rows": res.rows, "targets": res.targets, "errors": res.errors}), f,
-                          indent=1)
-        except Exception as e:  # noqa: BLE001
-            log(f"  could not write outputs to {opts.out}: {type(e).__name__}: {e}")
-    n_pass = sum(t["status"] == "PASS" for t in res.targets)
-    n_fail = sum(t["status"] == "FAIL" for t in res.targets)
-    n_na = sum(t["status"] == "N/A" for t in res.targets)
-    log(f"{NAME}: {n_pass} PASS, {n_fail} FAIL, {n_na} N/A, {len(res.errors)} errors, {meta['elapsed_s']} s on "
-        f"{meta['device']}")
-    if meta["interrupted"]:
-        return 3
-    return 1 if (n_fail or res.errors) else 0
+    cases = [(name, lambda res, run=run: run(res, opts, ctx))
+             for name, run in (("dual", case_dual), ("single", case_single), ("memory", case_memory),
+                               ("bwd", case_bwd), ("decode", case_decode))]
+    res, meta = run_cases(NAME, opts, DEV, cases, setup=setup)
+    return finish(NAME, res, meta, render_markdown(res, meta), opts.out)
 
 
 if __name__ == "__main__":

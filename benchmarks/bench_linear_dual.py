@@ -33,19 +33,16 @@ Exit codes: 0 all targets PASS, 1 a target FAILed or a case errored, 2 no CUDA /
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import signal
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from routed_harness import (ERR_TOL, Interrupted, Results, cleanup, die_env, json_clean, log, measure,  # noqa: E402
-                            measure_pdl_off, on_signal, poisoned_call, rel_err)
+from routed_harness import (Results, cleanup, finish, log, measure, measure_pdl_off, open_device,  # noqa: E402
+                            poisoned_call, rel_err, run_cases)
 
 NAME = "bench_linear_dual"
 TARGET_FWD_VS_CUBLAS = 1.10
@@ -312,79 +309,14 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     global torch, F, common, DEV
     opts = parse_args(argv)
-    t_start = time.monotonic()
-    try:
-        import torch as _torch
-        import torch.nn.functional as _F
-    except Exception as e:  # noqa: BLE001
-        die_env(NAME, f"torch is not importable ({type(e).__name__}: {e})")
-    torch, F = _torch, _F
+    torch, F, DEV = open_device(NAME, ("linear_dual", "linear_dual_backward"))
     import common as _common
 
     common = _common
-    if not torch.cuda.is_available():
-        die_env(NAME, "CUDA is not available (torch.cuda.is_available() is False); run this on the GPU machine")
-    try:
-        import fused_ops  # noqa: F401  (loads the library and registers torch.ops.fused.*)
-    except Exception as e:  # noqa: BLE001
-        die_env(NAME, f"`import fused_ops` failed ({type(e).__name__}: {e}); build and install the package first "
-                "(python3 -m pip install --no-build-isolation --no-deps .)")
-    missing = [op for op in ("linear_dual", "linear_dual_backward") if not hasattr(torch.ops.fused, op)]
-    if missing:
-        die_env(NAME, f"torch.ops.fused.{', '.join(missing)} not registered after `import fused_ops` (older build?)")
-    DEV = torch.device("cuda", torch.cuda.current_device())
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    torch.manual_seed(0)
-    meta = {"device": common.device_name(DEV), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "l2_bytes": common.l2_cache_bytes(DEV), "warmup": opts.warmup, "rep": opts.rep,
-            "cases": sorted(opts.only), "err_tol": ERR_TOL, "interrupted": None}
-    log(f"{NAME}: device {meta['device']}  torch {meta['torch']}  CUDA {meta['cuda']}  "
-        f"L2 {meta['l2_bytes'] / 2**20:.0f} MiB  warmup {opts.warmup} rep {opts.rep}")
-
-    res = Results()
-    try:
-        for name, run in (("fwd", case_fwd), ("bwd", case_bwd), ("decode", case_decode)):
-            if name not in opts.only:
-                continue
-            t0 = time.monotonic()
-            try:
-                run(res, opts)
-            except Interrupted:
-                raise
-            except Exception as e:  # noqa: BLE001
-                res.error(f"case {name}", e)
-                try:
-                    cleanup()
-                except Exception:  # noqa: BLE001
-                    pass
-            log(f"  ({name}: {time.monotonic() - t0:.1f} s)")
-    except Interrupted as e:
-        meta["interrupted"] = str(e)
-        log(f"interrupted ({e}); reporting partial results")
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-    meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    md = render_markdown(res, meta)
-    print("\n" + md, flush=True)
-    if opts.out:
-        try:
-            os.makedirs(opts.out, exist_ok=True)
-            with open(os.path.join(opts.out, f"{NAME}.md"), "w") as f:
-                f.write(md)
-            with open(os.path.join(opts.out, f"{NAME}.json"), "w") as f:
-                json.dump(json_clean({"meta": meta, "rows": res.rows, "targets": res.targets, "errors": res.errors}), f,
-                          indent=1)
-        except Exception as e:  # noqa: BLE001
-            log(f"  could not write outputs to {opts.out}: {type(e).__name__}: {e}")
-    n_pass = sum(t["status"] == "PASS" for t in res.targets)
-    n_fail = sum(t["status"] == "FAIL" for t in res.targets)
-    log(f"{NAME}: {n_pass} PASS, {n_fail} FAIL, {len(res.errors)} errors, {meta['elapsed_s']} s on {meta['device']}")
-    if meta["interrupted"]:
-        return 3
-    return 1 if (n_fail or res.errors) else 0
+    cases = [(name, lambda res, run=run: run(res, opts))
+             for name, run in (("fwd", case_fwd), ("bwd", case_bwd), ("decode", case_decode))]
+    res, meta = run_cases(NAME, opts, DEV, cases)
+    return finish(NAME, res, meta, render_markdown(res, meta), opts.out)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,12 @@ there, and says SKIPPED when it is not.
 from __future__ import annotations
 
 import gc
+import json
 import math
+import os
+import signal
 import sys
+import time
 import traceback
 
 import common
@@ -176,3 +180,92 @@ def json_clean(o):
     if isinstance(o, (list, tuple)):
         return [json_clean(v) for v in o]
     return o
+
+
+# =============================================================================== the main() of a routed benchmark
+def open_device(name: str, ops):
+    """(torch, torch.nn.functional, the current CUDA device) once torch imports, CUDA is there and `import fused_ops`
+    registered torch.ops.fused.<op> for every op in `ops`; otherwise prints SKIPPED and exits 2."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except Exception as e:  # noqa: BLE001
+        die_env(name, f"torch is not importable ({type(e).__name__}: {e})")
+    if not torch.cuda.is_available():
+        die_env(name, "CUDA is not available (torch.cuda.is_available() is False); run this on the GPU machine")
+    try:
+        import fused_ops  # noqa: F401  (loads the library and registers torch.ops.fused.*)
+    except Exception as e:  # noqa: BLE001
+        die_env(name, f"`import fused_ops` failed ({type(e).__name__}: {e}); build and install the package first "
+                "(python3 -m pip install --no-build-isolation --no-deps .)")
+    missing = [op for op in ops if not hasattr(torch.ops.fused, op)]
+    if missing:
+        die_env(name, f"torch.ops.fused.{', '.join(missing)} not registered after `import fused_ops` (older build?)")
+    return torch, F, torch.device("cuda", torch.cuda.current_device())
+
+
+def run_cases(name: str, opts, dev, cases, setup=None) -> tuple:
+    """Runs `cases` ((case name, thunk) in order; those not in opts.only are skipped) after `setup()`, each guarded:
+    an error is recorded and the next case runs; SIGTERM / SIGINT end the run with what was measured.
+    Returns (Results, meta)."""
+    import torch
+    t_start = time.monotonic()
+    torch.manual_seed(0)
+    meta = {"device": common.device_name(dev), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "l2_bytes": common.l2_cache_bytes(dev), "warmup": opts.warmup, "rep": opts.rep,
+            "cases": sorted(opts.only), "err_tol": ERR_TOL, "interrupted": None}
+    log(f"{name}: device {meta['device']}  torch {meta['torch']}  CUDA {meta['cuda']}  "
+        f"L2 {meta['l2_bytes'] / 2**20:.0f} MiB  warmup {opts.warmup} rep {opts.rep}")
+    res = Results()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        if setup is not None:
+            t0 = time.monotonic()
+            setup()
+            log(f"  (setup: {time.monotonic() - t0:.1f} s)")
+        for case, run in cases:
+            if case not in opts.only:
+                continue
+            t0 = time.monotonic()
+            try:
+                run(res)
+            except Interrupted:
+                raise
+            except Exception as e:  # noqa: BLE001
+                res.error(f"case {case}", e)
+                try:
+                    cleanup()
+                except Exception:  # noqa: BLE001
+                    pass
+            log(f"  ({case}: {time.monotonic() - t0:.1f} s)")
+    except Interrupted as e:
+        meta["interrupted"] = str(e)
+        log(f"interrupted ({e}); reporting partial results")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    return res, meta
+
+
+def finish(name: str, res: Results, meta: dict, md: str, out_dir=None) -> int:
+    """Prints the report `md`, writes <out_dir>/<name>.{md,json} when asked, and returns the exit code: 0 every
+    target PASS, 1 a target FAILed or a case errored, 3 interrupted."""
+    print("\n" + md, flush=True)
+    if out_dir:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+                f.write(md)
+            with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+                json.dump(json_clean({"meta": meta, "rows": res.rows, "targets": res.targets, "errors": res.errors}), f,
+                          indent=1)
+        except Exception as e:  # noqa: BLE001
+            log(f"  could not write outputs to {out_dir}: {type(e).__name__}: {e}")
+    count = {s: sum(t["status"] == s for t in res.targets) for s in ("PASS", "FAIL", "N/A")}
+    log(f"{name}: {count['PASS']} PASS, {count['FAIL']} FAIL, {count['N/A']} N/A, {len(res.errors)} errors, "
+        f"{meta['elapsed_s']} s on {meta['device']}")
+    if meta["interrupted"]:
+        return 3
+    return 1 if (count["FAIL"] or res.errors) else 0
