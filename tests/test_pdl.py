@@ -33,6 +33,19 @@ def test_switch_round_trip():
         fused_ops.set_programmatic_launch(prev)
 
 
+@pytest.mark.parametrize("env,default", [("0", False), ("1", True), (None, True)])
+def test_environment_sets_the_default(env, default):
+    """FUSED_PDL=0 in the environment turns PDL off from the start; anything else (or nothing) leaves it on."""
+    r = run_fresh("""
+        import fused_ops
+        print("DEFAULT", fused_ops.set_programmatic_launch(True))
+    """, env={} if env is None else {"FUSED_PDL": env})
+    if env is None:
+        assert "FUSED_PDL" not in os.environ, "the test expects FUSED_PDL unset in its own environment"
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"DEFAULT {default}" in r.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The compiled code: one variant of each routed kernel (the first the manifest lists for sm_90).
 # ---------------------------------------------------------------------------------------------------------------
