@@ -78,7 +78,6 @@ common = None
 DEV = None
 
 
-# =============================================================================== bookkeeping
 # =============================================================================== inputs, implementations, references
 def make_mask(kind: str, M: int, gen) -> "torch.Tensor":
     if kind == "rand50":

@@ -62,7 +62,6 @@ common = None
 DEV = None
 
 
-# =============================================================================== bookkeeping
 # =============================================================================== inputs and implementations
 def make_mask(kind: str, M: int, gen) -> "torch.Tensor":
     if kind == "rand50":
