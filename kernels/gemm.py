@@ -540,8 +540,8 @@ def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_ptr, dw1_ptr, N,
     [M_pad, K] block [BR, BK]. Expert 0 owns rows [seg[0], seg[1]), expert 1 rows [seg[1], seg[2]): both bounds are
     multiples of the routing ALIGN (BLOCK_R divides it) and padding rows are zero, so every step is a whole, unmasked
     TMA tile. Grid (2 * cdiv(N, BN) * cdiv(K, BK),) as the pointer kernel; no atomics, deterministic. Bias gradients
-    are not summed here: a row sum in the loop costs every program a pass of the dY tile through registers (the
-    launcher gets them as dY^T times the expert's row indicator, a GEMV)."""
+    are not summed here: a row sum in the loop costs every program a pass of the dY tile through registers (they
+    come from dY's gather: gather_rows_kernel(COLSUM), then expert_colsum_kernel)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
