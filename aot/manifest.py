@@ -139,22 +139,25 @@ def _both(kernel, key, args, meta, cfg, archs) -> List[Variant]:
 
 def _routing_variants() -> List[Variant]:
     from kernels import routing  # the block sizes the Python launchers use are the ones compiled here
-    align = config_table.ROUTING_ALIGN
-    one_block = Variant("kernels.routing:routing_one_block_kernel", {"align": align, "block": routing.ONE_BLOCK},
-                        [("mask_ptr", "*i8"), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M", "i32"),
-                         ("M_pad", "i32")],
-                        {"BLOCK": routing.ONE_BLOCK, "ALIGN": align}, {}, 8, 1, ARCHS)
-    count = Variant("kernels.routing:routing_count_kernel", {"chunk": 1024},
-                    [("mask_ptr", "*i8"), ("block_counts_ptr", "*i32"), ("M", "i32")], {"CHUNK": 1024}, {},
-                    4, 1, ARCHS)
-    scatter = Variant("kernels.routing:routing_scatter_kernel", {"align": align, "chunk": 1024},
-                      [("mask_ptr", "*i8"), ("block_counts_ptr", "*i32"), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"),
-                       ("M", "i32"), ("M_pad", "i32"), ("num_blocks", "i32")],
-                      {"CHUNK": 1024, "ALIGN": align}, {}, 4, 1, ARCHS)
-    single = Variant("kernels.routing:routing_single_kernel", {"align": align, "block": routing.SINGLE_BLOCK},
-                     [("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M", "i32"), ("M_pad", "i32")],
-                     {"BLOCK": routing.SINGLE_BLOCK, "ALIGN": align}, {}, 4, 1, ARCHS)
-    return [one_block, count, scatter, single]
+    out = []
+    # align: the aligned routing of every routed kernel, and 1 (unaligned segments) for the ffn forward's TMA path.
+    for align in (config_table.ROUTING_ALIGN, 1):
+        for block, warps in ((routing.ONE_BLOCK_SMALL, 2), (routing.ONE_BLOCK, 8)):  # decode steps, then up to 4096
+            out.append(Variant("kernels.routing:routing_one_block_kernel", {"align": align, "block": block},
+                               [("mask_ptr", "*i8"), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M", "i32"),
+                                ("M_pad", "i32")],
+                               {"BLOCK": block, "ALIGN": align}, {}, warps, 1, ARCHS))
+        out.append(Variant("kernels.routing:routing_scatter_kernel", {"align": align, "chunk": 1024},
+                           [("mask_ptr", "*i8"), ("block_counts_ptr", "*i32"), ("perm_ptr", "*i32"),
+                            ("seg_ptr", "*i32"), ("M", "i32"), ("M_pad", "i32"), ("num_blocks", "i32")],
+                           {"CHUNK": 1024, "ALIGN": align}, {}, 4, 1, ARCHS))
+        out.append(Variant("kernels.routing:routing_single_kernel", {"align": align, "block": routing.SINGLE_BLOCK},
+                           [("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M", "i32"), ("M_pad", "i32")],
+                           {"BLOCK": routing.SINGLE_BLOCK, "ALIGN": align}, {}, 4, 1, ARCHS))
+    out.append(Variant("kernels.routing:routing_count_kernel", {"chunk": 1024},
+                       [("mask_ptr", "*i8"), ("block_counts_ptr", "*i32"), ("M", "i32")], {"CHUNK": 1024}, {},
+                       4, 1, ARCHS))
+    return out
 
 
 def _gemm_variants() -> List[Variant]:

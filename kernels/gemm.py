@@ -45,35 +45,46 @@ def _tile_mn(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _row_tiles(seg_ptr, BLOCK_M: tl.constexpr, WHOLE_SEGMENTS: tl.constexpr):
-    """The row tiles a persistent routed kernel walks: (start1, t0, num_pid_m). Tiles [0, t0) are expert 0's (rows
-    from 0), tiles [t0, num_pid_m) expert 1's (rows from start1 = seg[1]).
+    """The row tiles a persistent routed kernel walks: (start1, t0, num_pid_m, hi0, hi1). Tiles [0, t0) are expert
+    0's (rows from 0, below hi0), tiles [t0, num_pid_m) expert 1's (rows from start1 = seg[1], below hi1).
     WHOLE_SEGMENTS: every tile of both padded segments, up to end = seg[2] (for an expert-ordered output whose padding
     rows later kernels read, e.g. as the zero rows of the grad-weight). Otherwise only the tiles that hold rows,
-    cdiv(count_e, BLOCK_M) per expert: a decode step of one token is one row tile, not ALIGN / BLOCK_M of them."""
+    cdiv(count_e, BLOCK_M) per expert: a decode step of one token is one row tile, not ALIGN / BLOCK_M of them.
+    Their rows end at each expert's last row (hi_e = start_e + count_e), so they also walk an unaligned routing
+    (kernels/routing.py, ALIGN = 1), whose tiles may reach into the next expert's rows: those are not written."""
     start1 = tl.load(seg_ptr + 1)
     if WHOLE_SEGMENTS:
+        end = tl.load(seg_ptr + 2)
         t0 = start1 // BLOCK_M
-        num_pid_m = tl.load(seg_ptr + 2) // BLOCK_M
+        num_pid_m = end // BLOCK_M
+        hi0 = start1
+        hi1 = end
     else:
-        t0 = tl.cdiv(tl.load(seg_ptr + 3), BLOCK_M)
-        num_pid_m = t0 + tl.cdiv(tl.load(seg_ptr + 4), BLOCK_M)
-    return start1, t0, num_pid_m
+        count0 = tl.load(seg_ptr + 3)
+        count1 = tl.load(seg_ptr + 4)
+        t0 = tl.cdiv(count0, BLOCK_M)
+        num_pid_m = t0 + tl.cdiv(count1, BLOCK_M)
+        hi0 = count0
+        hi1 = start1 + count1
+    return start1, t0, num_pid_m, hi0, hi1
 
 
 @triton.jit
-def _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row0, expert, pid_n) of tile number `tile` of a persistent walk over _row_tiles' row tiles."""
+def _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row0, row_hi, expert, pid_n) of tile number `tile` of a persistent walk over _row_tiles' row tiles: its rows
+    are [row0, min(row0 + BLOCK_M, row_hi))."""
     pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
     e = (pid_m >= t0).to(tl.int32)
     row0 = tl.where(pid_m >= t0, start1 + (pid_m - t0) * BLOCK_M, pid_m * BLOCK_M)
-    return row0, e, pid_n
+    row_hi = tl.where(pid_m >= t0, hi1, hi0)
+    return row0, row_hi, e, pid_n
 
 
 @triton.jit
-def _tile_rows(perm_ptr, row0, BLOCK_M: tl.constexpr):
-    """perm entries of the tile -> (original row as int64 clamped to >= 0, valid mask)."""
+def _tile_rows(perm_ptr, row0, row_hi, BLOCK_M: tl.constexpr):
+    """perm entries of the tile's rows below row_hi -> (original row as int64 clamped to >= 0, valid mask)."""
     offs_r = row0 + tl.arange(0, BLOCK_M)
-    p = tl.load(perm_ptr + offs_r)
+    p = tl.load(perm_ptr + offs_r, mask=offs_r < row_hi, other=-1)
     valid = p >= 0
     rows = tl.where(valid, p, 0).to(tl.int64)
     return rows, valid
@@ -105,17 +116,18 @@ def _b_ptrs(w_ptr, offs_k, offs_n, stride_w, W_TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(out_ptr, val, perm_ptr, row0, offs_n, N, stride_om, SCATTER_OUT: tl.constexpr,
+def _store_tile(out_ptr, val, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT: tl.constexpr,
                 BLOCK_M: tl.constexpr):
+    """The tile's rows below row_hi: scattered to out[perm[r]] (padding rows skipped), or to out[r]."""
     n_ok = offs_n[None, :] < N
     if SCATTER_OUT:
-        rows, valid = _tile_rows(perm_ptr, row0, BLOCK_M)
+        rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
         ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
         tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok)
     else:
         rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-        tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=(rows < row_hi)[:, None] & n_ok)
 
 
 @triton.jit
@@ -155,7 +167,7 @@ def routed_linear_kernel(a_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, p
         offs_k = tl.arange(0, BLOCK_K)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if GATHER_A:
-            rows, a_mask = _tile_rows(perm_ptr, row0, BLOCK_M)
+            rows, a_mask = _tile_rows(perm_ptr, row0, row0 + BLOCK_M, BLOCK_M)
         else:
             rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
             a_mask = rows >= 0
@@ -173,7 +185,7 @@ def routed_linear_kernel(a_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, p
                             INPUT_PRECISION, BLOCK_K)
         if HAS_BIAS:
             acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-        _store_tile(out_ptr, acc, perm_ptr, row0, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
+        _store_tile(out_ptr, acc, perm_ptr, row0, row0 + BLOCK_M, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
 
 
 @triton.jit
@@ -197,7 +209,7 @@ def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, p
         offs_k = tl.arange(0, BLOCK_K)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if GATHER_A:
-            rows, a_mask = _tile_rows(perm_ptr, row0, BLOCK_M)
+            rows, a_mask = _tile_rows(perm_ptr, row0, row0 + BLOCK_M, BLOCK_M)
         else:
             rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
             a_mask = rows >= 0
@@ -222,7 +234,7 @@ def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, p
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
         h = _silu_mul(acc_g, acc_u)
-        _store_tile(h_ptr, h, perm_ptr, row0, offs_n, N, stride_hm, SCATTER_OUT, BLOCK_M)
+        _store_tile(h_ptr, h, perm_ptr, row0, row0 + BLOCK_M, offs_n, N, stride_hm, SCATTER_OUT, BLOCK_M)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,17 +331,17 @@ def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, SCATTER_OUT == False)  # noqa: E712
+    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, SCATTER_OUT == False)  # noqa: E712
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
+        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc = _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-        _store_tile(out_ptr, acc, perm_ptr, row0, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
+        _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
 
 
 @triton.jit
@@ -353,14 +365,14 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
+    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
+        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        rows, valid = _tile_rows(perm_ptr, row0, BLOCK_M)
+        rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -368,7 +380,7 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr
                                INPUT_PRECISION, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-        _store_tile(out_ptr, acc, perm_ptr, row0, offs_n, N, stride_om, True, BLOCK_M)
+        _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, True, BLOCK_M)
 
 
 @triton.jit
@@ -394,10 +406,10 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
+    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
+        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -405,7 +417,8 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
         for k0 in range(0, K, BLOCK_K):
             acc_g, acc_u = _swiglu_step(a_desc.load([row0, k0]), w1_desc, w3_desc, e, n0, k0, acc_g, acc_u,
                                         INPUT_PRECISION, BLOCK_N, BLOCK_K)
-        _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, offs_n, N, stride_hm, SCATTER_OUT, BLOCK_M)
+        _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, SCATTER_OUT,
+                    BLOCK_M)
 
 
 @triton.jit
@@ -421,10 +434,10 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, M_
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
+    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
+        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
@@ -435,7 +448,7 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, M_
         first, second = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1))
         g = tl.where(up_first != 0, second, first)
         u = tl.where(up_first != 0, first, second)
-        _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, offs_n, N, stride_hm, False, BLOCK_M)
+        _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
 
 
 @triton.jit
@@ -448,21 +461,21 @@ def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, se
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1, t0, num_pid_m = _row_tiles(seg_ptr, BLOCK_M, False)
+    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
+        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        rows, valid = _tile_rows(perm_ptr, row0, BLOCK_M)
+        rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc_g, acc_u = _swiglu_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w1_desc, w3_desc, e, n0, k0,
                                         acc_g, acc_u, INPUT_PRECISION, BLOCK_N, BLOCK_K)
-        _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, offs_n, N, stride_hm, False, BLOCK_M)
+        _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ host synchronisation:
 M_pad = (cdiv(M, ALIGN) + 1) * ALIGN depends only on M (fixed grid sizes, CUDA-graph capturable):
 ceil(c0/A) + ceil(c1/A) <= ceil(M/A) + 1 tiles are always enough.
 
+ALIGN = 1 ("unaligned"): no padding, expert 1 starts at start_1 = count_0 and end = M, so an expert-ordered
+buffer has exactly M rows; perm has M + ROW_TAIL entries. A row tile may then hold rows of both experts: only the
+persistent TMA kernels that write the rows of their own expert (row_hi of _tile_at) take such a routing (the ffn
+forward's x and h; csrc/ops/ffn_cuda.cpp).
+
 Kernels:
   routing_one_block_kernel  grid (1,)  M <= ONE_BLOCK                  -> perm, seg (one launch)
   routing_count_kernel      grid (NB,) NB = max(1, cdiv(M, CHUNK))     -> block_counts int32 [NB, 2]
@@ -26,12 +31,23 @@ from kernels.pdl import grid_dependency_sync
 
 NUM_EXPERTS = 2
 ONE_BLOCK = 4096  # routing_one_block_kernel's BLOCK: masks of up to this many rows are routed in one launch
+ONE_BLOCK_SMALL = 64  # its BLOCK for masks of up to 64 rows (decode steps): a 4096-lane scan for one token is waste
 SINGLE_BLOCK = 1024  # routing_single_kernel's BLOCK
+# -1 entries past the last row of an unaligned routing (ALIGN = 1): a row tile that starts at an expert's last row
+# reads BLOCK_M entries of perm, and every BLOCK_M divides the aligned routing's ALIGN (128; aot/config_table.py).
+ROW_TAIL = tl.constexpr(128)
 
 
 def padded_rows(M: int, align: int) -> int:
-    """Length of perm / of expert-ordered buffers (host helper, depends on shapes only)."""
-    return (triton.cdiv(M, align) + NUM_EXPERTS - 1) * align
+    """Length of perm (host helper, depends on shapes only). align > 1: (cdiv(M, align) + 1) * align, also the rows
+    of the expert-ordered buffers (both experts' padding fits). align = 1 (unaligned segments, no padding rows; the
+    buffers have M rows): M + ROW_TAIL."""
+    return M + ROW_TAIL.value if align == 1 else (triton.cdiv(M, align) + 1) * align
+
+
+def single_padded_rows(M: int, align: int) -> int:
+    """Length of a one-expert perm: max(roundup(M, align), align); align = 1: M + ROW_TAIL."""
+    return M + ROW_TAIL.value if align == 1 else max(triton.cdiv(M, align) * align, align)
 
 
 def num_route_blocks(M: int, chunk: int) -> int:
@@ -53,15 +69,14 @@ def routing_count_kernel(mask_ptr, block_counts_ptr, M, CHUNK: tl.constexpr, PDL
 
 
 @triton.jit
-def _scatter_rows(mask_ptr, perm_ptr, offs, M, base0, base1, start1):
-    """Stable scatter of the rows `offs` (one block): expert 0's rows go to base0 + their rank among this block's
-    expert-0 rows, expert 1's to start1 + base1 + rank."""
-    valid = offs < M
-    m = tl.load(mask_ptr + offs, mask=valid, other=0)
+def _scatter_rows(m, perm_ptr, offs, first, valid, base0, base1, start1):
+    """Stable scatter of the rows `offs` = first + [0, n) of one block, m their mask values: expert 0's rows go to
+    base0 + their rank among this block's expert-0 rows, expert 1's to start1 + base1 + rank. One prefix sum: a row's
+    expert-0 rank is its position in the block minus the expert-1 rows before it."""
     is1 = (m != 0) & valid
-    is0 = (m == 0) & valid
-    pos0 = base0 + tl.cumsum(is0.to(tl.int32), axis=0) - 1
-    pos1 = start1 + base1 + tl.cumsum(is1.to(tl.int32), axis=0) - 1
+    c1 = tl.cumsum(is1.to(tl.int32), axis=0)  # inclusive: expert-1 rows in [first, offs]
+    pos1 = start1 + base1 + c1 - 1
+    pos0 = base0 + (offs - first) - c1  # for an expert-0 row, c1 counts only rows before it
     tl.store(perm_ptr + tl.where(is1, pos1, pos0), offs, mask=valid)
 
 
@@ -70,13 +85,14 @@ def _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN: tl.constexpr):
     """With the expert totals t0, t1: the -1 padding entries of perm and seg (one program does this)."""
     start1 = ((t0 + ALIGN - 1) // ALIGN) * ALIGN
     end = start1 + ((t1 + ALIGN - 1) // ALIGN) * ALIGN
-    # Padding of segment 0: [t0, start1) (< ALIGN entries).
-    p = t0 + tl.arange(0, ALIGN)
-    tl.store(perm_ptr + p, tl.full([ALIGN], -1, tl.int32), mask=p < start1)
-    # Padding of segment 1 and the unused tail: [start1 + t1, M_pad) (< 2*ALIGN entries).
-    for s in range(start1 + t1, M_pad, ALIGN):
-        p2 = s + tl.arange(0, ALIGN)
-        tl.store(perm_ptr + p2, tl.full([ALIGN], -1, tl.int32), mask=p2 < M_pad)
+    # Padding of segment 0: [t0, start1) (< ALIGN entries; none when ALIGN = 1).
+    if ALIGN > 1:
+        p = t0 + tl.arange(0, ALIGN)
+        tl.store(perm_ptr + p, tl.full([ALIGN], -1, tl.int32), mask=p < start1)
+    # Padding of segment 1 and the tail: [start1 + t1, M_pad) (< 2 * ALIGN entries, or the ROW_TAIL of ALIGN = 1).
+    for s in range(start1 + t1, M_pad, ROW_TAIL):
+        p2 = s + tl.arange(0, ROW_TAIL)
+        tl.store(perm_ptr + p2, tl.full([ROW_TAIL], -1, tl.int32), mask=p2 < M_pad)
     tl.store(seg_ptr + 0, t0 * 0)
     tl.store(seg_ptr + 1, start1)
     tl.store(seg_ptr + 2, end)
@@ -107,8 +123,10 @@ def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_p
     t0 = tl.sum(tot0, axis=0)
     t1 = tl.sum(tot1, axis=0)
     start1 = ((t0 + ALIGN - 1) // ALIGN) * ALIGN
-    _scatter_rows(mask_ptr, perm_ptr, pid * CHUNK + tl.arange(0, CHUNK), M, tl.sum(base0, axis=0),
-                  tl.sum(base1, axis=0), start1)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < M
+    m = tl.load(mask_ptr + offs, mask=valid, other=0)
+    _scatter_rows(m, perm_ptr, offs, pid * CHUNK, valid, tl.sum(base0, axis=0), tl.sum(base1, axis=0), start1)
     if pid == 0:
         _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
 
@@ -123,8 +141,8 @@ def routing_one_block_kernel(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.co
     valid = offs < M
     m = tl.load(mask_ptr + offs, mask=valid, other=0)
     t1 = tl.sum(((m != 0) & valid).to(tl.int32), axis=0)
-    t0 = tl.sum(valid.to(tl.int32), axis=0) - t1
-    _scatter_rows(mask_ptr, perm_ptr, offs, M, t0 * 0, t1 * 0, ((t0 + ALIGN - 1) // ALIGN) * ALIGN)
+    t0 = M - t1
+    _scatter_rows(m, perm_ptr, offs, 0, valid, t0 * 0, t1 * 0, ((t0 + ALIGN - 1) // ALIGN) * ALIGN)
     _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
 
 
@@ -175,10 +193,10 @@ def route(mask, align: int = 128, chunk: int = 1024, one_block: int = ONE_BLOCK,
 
 
 def route_single(M: int, device, align: int = 128, block: int = SINGLE_BLOCK):
-    """One expert: (perm, seg) with perm = arange(M) then -1 up to M_pad = max(roundup(M, align), align) (the
-    C++ route_single's sizes). No host synchronisation."""
+    """One expert: (perm, seg) with perm = arange(M) then -1 up to M_pad = single_padded_rows(M, align) (the C++
+    route_single's sizes). No host synchronisation."""
     import torch
-    M_pad = max(triton.cdiv(M, align) * align, align)
+    M_pad = single_padded_rows(M, align)
     perm = torch.empty(M_pad, dtype=torch.int32, device=device)
     seg = torch.empty(5, dtype=torch.int32, device=device)
     routing_single_kernel[(triton.cdiv(M_pad, block), )](perm, seg, M, M_pad, BLOCK=block, ALIGN=align)

@@ -78,20 +78,21 @@ def prec(dtype):
 @pytest.mark.parametrize("M", [0, 1, 37, 300])
 @pytest.mark.parametrize("kind", MASKS)
 @pytest.mark.parametrize("path", ["one_block", "two_kernels"])
-def test_routing(M, kind, path):
+@pytest.mark.parametrize("align", [ALIGN, 1])  # 1: unaligned segments (the ffn forward's TMA path)
+def test_routing(M, kind, path, align):
     gen = torch.Generator().manual_seed(M)
     mask = make_mask(kind, M, gen) if M > 0 else torch.zeros(0, dtype=torch.bool)
-    perm = torch.full((padded_rows(M, ALIGN), ), 7, dtype=torch.int32)  # poisoned: every entry must be written
+    M_pad = padded_rows(M, align)
+    assert M_pad == (M + 128 if align == 1 else (-(-M // align) + 1) * align)
+    perm = torch.full((M_pad, ), 7, dtype=torch.int32)  # poisoned: every entry must be written
     seg = torch.full((5, ), 7, dtype=torch.int32)
     # one_block: 512 >= M, one program; two_kernels: chunk 64 -> several blocks for M=300
-    route(mask, align=ALIGN, chunk=64, one_block=512 if path == "one_block" else 0, perm=perm, seg=seg)
-    M_pad = padded_rows(M, ALIGN)
-    assert perm.shape == (M_pad, ) and perm.dtype == torch.int32
+    route(mask, align=align, chunk=64, one_block=512 if path == "one_block" else 0, perm=perm, seg=seg)
     rows1 = torch.nonzero(mask).flatten().to(torch.int32)
     rows0 = torch.nonzero(~mask).flatten().to(torch.int32)
     c0, c1 = rows0.numel(), rows1.numel()
-    start1 = -(-c0 // ALIGN) * ALIGN
-    end = start1 + -(-c1 // ALIGN) * ALIGN
+    start1 = -(-c0 // align) * align
+    end = start1 + -(-c1 // align) * align
     assert seg.tolist() == [0, start1, end, c0, c1]
     assert torch.equal(perm[:c0], rows0)
     assert (perm[c0:start1] == -1).all()
@@ -101,10 +102,11 @@ def test_routing(M, kind, path):
 
 
 @pytest.mark.parametrize("M", [0, 1, 16, 17, 300])
-def test_routing_single(M):
-    perm, seg = route_single(M, "cpu", align=ALIGN, block=64)  # block 64 -> several programs for M=300
-    end = -(-M // ALIGN) * ALIGN
-    assert perm.shape == (max(end, ALIGN), ) and perm.dtype == torch.int32
+@pytest.mark.parametrize("align", [ALIGN, 1])
+def test_routing_single(M, align):
+    perm, seg = route_single(M, "cpu", align=align, block=64)  # block 64 -> several programs for M=300
+    end = -(-M // align) * align
+    assert perm.shape == ((M + 128) if align == 1 else max(end, align), ) and perm.dtype == torch.int32
     assert torch.equal(perm[:M], torch.arange(M, dtype=torch.int32))
     assert (perm[M:] == -1).all()
     assert seg.tolist() == [0, end, end, M, 0]
@@ -259,7 +261,7 @@ def test_ffn_tma(dtype, kind):
 @pytest.mark.parametrize("kind", ["random", "all_true", "all_false"])
 def test_tma_row_tiles(kind):
     """Row tiles smaller than the routing alignment (BM = 16, ALIGN = 64): scattered outputs and h are computed only
-    for the tiles that hold rows (rows of h past each expert's last tile stay unwritten), while an expert-ordered
+    for the tiles that hold rows and only h's rows that belong to a token are written, while an expert-ordered
     linear output is written over the whole padded segments (padding rows zero without bias: the grad-weight reads
     them)."""
     M, N, K = 37, 24, 40
@@ -285,10 +287,42 @@ def test_tma_row_tiles(kind):
     h = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
     gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
     assert rel_err(h[valid], ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[valid].long()]) < TOL[dtype]
-    walked = torch.zeros(perm.shape[0], dtype=torch.bool)
-    walked[:-(-c0 // 16) * 16] = True
-    walked[start1:start1 + -(-c1 // 16) * 16] = True
-    assert torch.isfinite(h[walked]).all() and torch.isnan(h[~walked]).all()
+    assert torch.isfinite(h[valid]).all() and torch.isnan(h[~valid]).all()
+
+
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("gate_up", ["pair", "two_mma", "gather"])
+def test_unaligned_ffn_forward(kind, gate_up):
+    """The ffn forward's TMA path on an unaligned routing (ALIGN = 1): x gathered into exactly M rows, h [M, I],
+    then the down projection scattered back. Row tiles (BM = 16) straddle the two experts' rows: each tile writes
+    only its own expert's rows, so every row of h and of out is written once, by the right expert."""
+    M, H, I, N = 37, 40, 24, 32  # noqa: E741
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(17)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, H, dtype=dtype)
+    w1, w3, w2 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, N, I, dtype=dtype)
+    perm, seg = route(mask, align=1)
+    assert int(seg[2]) == M and perm.shape[0] == padded_rows(M, 1)
+    h = torch.full((M, I), float("nan"), dtype=dtype)
+    if gate_up == "gather":  # x in token order, its rows gathered inside the GEMM
+        gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
+    else:
+        xg = torch.full((M, H), float("nan"), dtype=dtype)
+        gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+        assert torch.isfinite(xg).all()
+        if gate_up == "pair":
+            gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
+                                               num_programs=3, **T)
+        else:
+            gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
+    href = ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)
+    assert torch.isfinite(h).all(), "a row of h was not written"
+    assert rel_err(h, href[perm[:M].long()]) < TOL[dtype]
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    gemm.launch_routed_linear_tma(h, w2, None, None, out, perm, seg, input_precision="ieee", num_programs=3, **T)
+    ref = torch.where(mask[:, None], href @ w2[1].double().T, href @ w2[0].double().T)
+    assert rel_err(out, ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,9 +1,15 @@
 // CUDA implementation of ffn on the routed GEMM core (csrc/ops/routed_gemm.h).
 //
-// Forward: route (mask: the routing kernels; single expert: perm = arange, no kernel) ->
-//   h = routed_swiglu(x) into an expert-ordered [M_pad, I] buffer -> out = routed_linear(h, w2) scattered back.
-//   TMA (sm_90, H and I multiples of 16 bytes, a TMA swiglu for the dtype/precision): x is gathered first and both
-//   GEMMs use descriptors; else the pointer kernels (x gathered through perm inside the swiglu kernel).
+// Forward: route (mask: the routing kernels; single expert: perm = arange) -> h = routed_swiglu(x) into an
+//   expert-ordered buffer -> out = routed_linear(h, w2) scattered back.
+//   TMA (sm_90, H and I multiples of 16 bytes, a TMA swiglu for the dtype/precision): an unaligned routing (no
+//   padding rows), so h is exactly [M, I], the only buffer of the size of the intermediate. Where x's rows are
+//   gathered before the gate/up GEMM (dual expert above the decode sizes; docs/perf.md), they go into out's storage:
+//   out [M, H] is written only by the down projection, after the gate/up GEMM has read them (stream order; with
+//   programmatic dependent launch, the down kernel's griddepcontrol.wait). Peak extra memory: M * I elements plus
+//   perm / seg (4 bytes per token).
+//   Pointer kernels otherwise (x gathered through perm inside the swiglu kernel; h [M_pad, I] on the aligned
+//   routing they need).
 //
 // Backward: the forward saves only its inputs (x and the weights), no activations. Saving gate and up (or h) would
 // keep 2-3 [M, I] tensors per layer alive until the backward (I is typically ~2.7 H, so several times the [M, H]
@@ -77,12 +83,14 @@ at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS) {
   if (geo.I == 0) return out.zero_().view(x.sizes());
 
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
-  const routed::Routing r = geo.dual ? routed::route(*mask) : routed::route_single(geo.M, x);
-  Projections p = projections(geo, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
   const bool tma = g.tma_usable({geo.H, geo.I}, /*swiglu=*/true);
-  // Rows [end, M_pad) of h are never written nor read (their tiles are skipped): no initialization needed.
-  at::Tensor h = at::empty({r.M_pad, geo.I}, x.options());
-  routed::swiglu(g, r, routed::tokens(as_rows(x)), p.gate, p.up, h, tma);
+  const routed::Routing r =
+      geo.dual ? routed::route(*mask, /*aligned=*/!tma) : routed::route_single(geo.M, x, /*aligned=*/!tma);
+  Projections p = projections(geo, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
+  // Rows of h that belong to no token (padding of an aligned routing) are never written, and the down projection
+  // does not store what it computes from them: no initialization needed.
+  at::Tensor h = at::empty({r.rows(), geo.I}, x.options());
+  routed::swiglu(g, r, routed::tokens(as_rows(x)), p.gate, p.up, h, tma, /*gather_into=*/out);
   routed::linear(g, r, routed::ordered(h), p.down, at::Tensor(), at::Tensor(), routed::tokens(out),
                  /*w_transposed=*/false, tma);
   return out.view(x.sizes());

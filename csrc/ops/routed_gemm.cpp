@@ -73,11 +73,17 @@ std::string grad_weight_key(const Gemm& g, bool gather, bool dbias, const Kernel
 
 // Internal invariants of a row operand (the ops guarantee them; a failure is a bug here, not a user error).
 void check_rows(const Routing& r, const Rows& x, int64_t cols, const char* what) {
-  TORCH_INTERNAL_ASSERT(x.t.dim() == 2 && x.t.size(0) == (x.expert_ordered ? r.M_pad : r.M) && x.t.size(1) == cols &&
+  TORCH_INTERNAL_ASSERT(x.t.dim() == 2 && x.t.size(0) == (x.expert_ordered ? r.rows() : r.M) && x.t.size(1) == cols &&
                             (cols <= 1 || x.t.stride(1) == 1),
                         "routed GEMM: bad ", what, " operand ", x.t.sizes(), " / ", x.t.strides(), " (M = ", r.M,
-                        ", M_pad = ", r.M_pad, ", expected ", cols, " columns)");
+                        ", expert-ordered rows = ", r.rows(), ", expected ", cols, " columns)");
 }
+
+// An upper bound of the row tiles of BLOCK_M rows a persistent kernel walks (cdiv(count_0, bm) + cdiv(count_1, bm)):
+// it caps the grid; the programs take the tile count itself from seg.
+int64_t max_row_tiles(const Routing& r, int64_t bm) { return r.aligned ? r.M_pad / bm : cdiv(r.M, bm) + 1; }
+
+std::string align_str(const Routing& r) { return std::to_string(r.aligned ? kAlign : 1); }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -88,22 +94,24 @@ at::Tensor unit_inner(const at::Tensor& w) { return (w.size(1) > 1 && w.stride(1
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------- routing
-Routing route(const at::Tensor& mask) {
+Routing route(const at::Tensor& mask, bool aligned) {
   Routing r;
   at::Tensor m = mask.reshape({-1}).contiguous();
   TORCH_INTERNAL_ASSERT(m.scalar_type() == at::kBool && m.is_cuda());
   r.M = m.numel();
-  r.M_pad = (cdiv(r.M, kAlign) + 1) * kAlign;  // kernels/routing.py: padded_rows
+  r.aligned = aligned;
+  r.M_pad = aligned ? (cdiv(r.M, kAlign) + 1) * kAlign : r.M + kRowTail;  // kernels/routing.py: padded_rows
   const auto iopt = m.options().dtype(at::kInt);
   r.perm = at::empty({r.M_pad}, iopt);
   r.seg = at::empty({5}, iopt);
-  if (r.M <= kOneBlock) {  // one launch: count and scatter in one program
+  if (r.M <= kOneBlock) {  // one launch: count and scatter in one program (a small one for decode steps)
     const void* mp = r.M > 0 ? m.data_ptr() : r.perm.data_ptr();  // M = 0: loads are masked, any valid pointer
+    const int64_t block = r.M <= kOneBlockSmall ? kOneBlockSmall : kOneBlock;
     KernelArgs a;
     a.ptr(mp).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad);
     launch_on_current_stream("routing_one_block_kernel",
-                             make_key({{"align", std::to_string(kAlign)}, {"block", std::to_string(kOneBlock)}}), a,
-                             grid(1), r.perm);
+                             make_key({{"align", align_str(r)}, {"block", std::to_string(block)}}), a, grid(1),
+                             r.perm);
     return r;
   }
   const int64_t nb = cdiv(r.M, kChunk);
@@ -116,16 +124,18 @@ Routing route(const at::Tensor& mask) {
   s.ptr(m.data_ptr()).ptr(counts.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad)
       .i32(nb);
   launch_on_current_stream("routing_scatter_kernel",
-                           make_key({{"chunk", std::to_string(kChunk)}, {"align", std::to_string(kAlign)}}), s,
-                           grid(nb), counts);
+                           make_key({{"chunk", std::to_string(kChunk)}, {"align", align_str(r)}}), s, grid(nb),
+                           counts);
   return r;
 }
 
-Routing route_single(int64_t M, const at::Tensor& like) {
+Routing route_single(int64_t M, const at::Tensor& like, bool aligned) {
   Routing r;
   r.single = true;
   r.M = M;
-  r.M_pad = std::max(cdiv(M, kAlign) * kAlign, kAlign);  // start_1 = end = roundup(count_0, ALIGN); count_1 = 0
+  r.aligned = aligned;
+  // start_1 = end = roundup(count_0, ALIGN); count_1 = 0 (kernels/routing.py: single_padded_rows)
+  r.M_pad = aligned ? std::max(cdiv(M, kAlign) * kAlign, kAlign) : M + kRowTail;
   const auto iopt = like.options().dtype(at::kInt);
   r.perm = at::empty({r.M_pad}, iopt);
   r.seg = at::empty({5}, iopt);
@@ -133,7 +143,7 @@ Routing route_single(int64_t M, const at::Tensor& like) {
   KernelArgs a;
   a.ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(M).i32(r.M_pad);
   launch_on_current_stream("routing_single_kernel",
-                           make_key({{"align", std::to_string(kAlign)}, {"block", std::to_string(kSingleBlock)}}), a,
+                           make_key({{"align", align_str(r)}, {"block", std::to_string(kSingleBlock)}}), a,
                            grid(cdiv(r.M_pad, kSingleBlock)), r.perm);
   return r;
 }
@@ -218,11 +228,12 @@ const Experts::Stacked& Experts::stacked() {
 namespace {
 // The A operand of a TMA GEMM, in expert order. A single expert's token order already is that order (perm = arange),
 // so x itself serves when TMA can address it (16-byte aligned base and row stride): its rows past M read as zeros
-// (the descriptor's out-of-bounds fill), and no [M_pad, C] copy is made. Otherwise the rows are gathered.
-at::Tensor tma_rows(const Gemm& g, const Routing& r, const Rows& a) {
+// (the descriptor's out-of-bounds fill), and no copy is made. Otherwise the rows are gathered (into `into`'s storage
+// when defined).
+at::Tensor tma_rows(const Gemm& g, const Routing& r, const Rows& a, const at::Tensor& into = at::Tensor()) {
   if (a.expert_ordered) return a.t;
   if (r.single && aligned16(a.t.data_ptr()) && (a.t.stride(0) * a.t.element_size()) % 16 == 0) return a.t;
-  return gather_rows(g, r, a.t);
+  return gather_rows(g, r, a.t, into);
 }
 }  // namespace
 
@@ -231,36 +242,45 @@ namespace {
 constexpr int64_t kGatherRows = 32;
 static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums must not mix experts");
 
-at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& colsum) {
+at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& colsum,
+                         const at::Tensor& into) {
   check_rows(r, tokens(src), src.size(1), "gather source");
-  const int64_t C = src.size(1);
-  at::Tensor dst = at::empty({r.M_pad, C}, src.options());
+  const int64_t C = src.size(1), rows = r.rows();
+  at::Tensor dst;
+  if (into.defined()) {
+    TORCH_INTERNAL_ASSERT(into.is_contiguous() && into.scalar_type() == src.scalar_type() &&
+                          into.device() == src.device() && into.numel() >= rows * C);
+    dst = into.view({-1}).narrow(0, 0, rows * C).view({rows, C});
+  } else {
+    dst = at::empty({rows, C}, src.options());
+  }
   KernelArgs a;
   a.ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr())
       .ptr(colsum.defined() ? colsum.data_ptr() : r.perm.data_ptr())
-      .i32(r.M_pad).i32(C).i32(src.stride(0)).i32(dst.stride(0));
+      .i32(rows).i32(C).i32(src.stride(0)).i32(dst.stride(0));
   launch_on_current_stream("gather_rows_kernel",
                            make_key({{"dtype", g.dt}, {"colsum", flag(colsum.defined())},
                                      {"rows", std::to_string(kGatherRows)}}),
-                           a, grid(cdiv(r.M_pad, kGatherRows), cdiv(C, 128)), dst);  // BLOCK_C = 128
+                           a, grid(cdiv(rows, kGatherRows), cdiv(C, 128)), dst);  // BLOCK_C = 128
   return dst;
 }
 }  // namespace
 
-at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src) {
-  return launch_gather(g, r, src, at::Tensor());
+at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& into) {
+  return launch_gather(g, r, src, at::Tensor(), into);
 }
 
 at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& sum0,
                                const at::Tensor& sum1) {
-  TORCH_INTERNAL_ASSERT(!r.single && sum0.numel() == src.size(1) && sum1.numel() == src.size(1) &&
+  // The column sums of a block of 32 rows belong to one expert only on an aligned routing.
+  TORCH_INTERNAL_ASSERT(!r.single && r.aligned && sum0.numel() == src.size(1) && sum1.numel() == src.size(1) &&
                         sum0.is_contiguous() && sum1.is_contiguous() && sum0.scalar_type() == src.scalar_type() &&
                         sum1.scalar_type() == src.scalar_type());
   const int64_t C = src.size(1), blocks = cdiv(r.M_pad, kGatherRows);
   // Per-block fp32 column sums ([M_pad / 32, C], 1/16 of dst's bytes for bf16), added up per expert by a second
   // kernel: deterministic, and no second pass over the rows.
   at::Tensor colsum = at::empty({blocks, C}, src.options().dtype(at::kFloat));
-  at::Tensor dst = launch_gather(g, r, src, colsum);
+  at::Tensor dst = launch_gather(g, r, src, colsum, at::Tensor());
   KernelArgs a;
   a.ptr(colsum.data_ptr()).ptr(r.seg.data_ptr()).ptr(sum0.data_ptr()).ptr(sum1.data_ptr()).i32(blocks).i32(C);
   launch_on_current_stream("expert_colsum_kernel", make_key({{"dtype", g.dt}, {"rows", std::to_string(kGatherRows)}}),
@@ -274,6 +294,9 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   const int64_t k = w_transposed ? w.rows() : w.cols();  // reduction length
   check_rows(r, a, k, "A");
   check_rows(r, out, n, "output");
+  // An unaligned routing's tiles straddle the experts: only the TMA kernels that write their own expert's rows
+  // (scattered outputs) take it, not the whole-segment expert-ordered outputs nor the pointer kernels.
+  TORCH_INTERNAL_ASSERT(r.aligned || (tma && !out.expert_ordered), "routed GEMM: linear needs an aligned routing here");
   const bool has_bias = bias0.defined();
   TORCH_INTERNAL_ASSERT(has_bias == bias1.defined() && !(has_bias && w_transposed));
   if (has_bias)
@@ -293,7 +316,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
           .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
           .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
           .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(out.t.stride(0));
-      const int64_t tiles = (r.M_pad / c->block[0]) * cdiv(n, c->block[1]);
+      const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(n, c->block[1]);
       launch_on_current_stream("routed_linear_gather_tma_kernel",
                                make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(has_bias)}, {"cfg", c->cfg}}),
                                args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
@@ -308,7 +331,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
         .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(n).i32(k).i32(out.t.stride(0));
-    const int64_t tiles = (r.M_pad / c.block[0]) * cdiv(n, c.block[1]);  // persistent: any grid >= 1 covers all
+    const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(n, c.block[1]);  // persistent: any grid >= 1 covers all
     launch_on_current_stream("routed_linear_tma_kernel",
                              linear_tma_key(g, !out.expert_ordered, w_transposed, has_bias, c),
                              args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
@@ -323,9 +346,11 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   }
 }
 
-void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma) {
+void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma,
+            const at::Tensor& gather_into) {
   const int64_t I = w1.rows(), H = w1.cols();
   TORCH_INTERNAL_ASSERT(w3.rows() == I && w3.cols() == H && w1.single() == w3.single());
+  TORCH_INTERNAL_ASSERT(r.aligned || tma, "routed GEMM: the pointer swiglu needs an aligned routing");
   check_rows(r, a, H, "x");
   check_rows(r, ordered(h), I, "h");
   KernelArgs args;
@@ -340,7 +365,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
           .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
           .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
           .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0));
-      const int64_t tiles = (r.M_pad / c->block[0]) * cdiv(I, c->block[1]);
+      const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(I, c->block[1]);
       launch_on_current_stream("routed_swiglu_gather_tma_kernel",
                                make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c->cfg}}), args,
                                grid(std::min<int64_t>(g.sms, tiles)), h);
@@ -348,7 +373,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     }
   }
   if (tma) {
-    const at::Tensor ap = tma_rows(g, r, a);
+    const at::Tensor ap = tma_rows(g, r, a, gather_into);
     const Experts::Stacked& s1 = w1.stacked();
     const Experts::Stacked& s3 = w3.stacked();
     // Gate and up in one MMA of 2 x BLOCK_N columns where the table turns it on: one rank-4 descriptor
@@ -366,7 +391,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
                   {static_cast<int64_t>(adist) / es, s1.stride_e, s1.ld, 1})
           .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
           .i32(r.M_pad).i32(I).i32(H).i32(h.stride(0)).i32(up_first ? 1 : 0);
-      const int64_t tiles = (r.M_pad / pc->block[0]) * cdiv(I, pc->block[1]);
+      const int64_t tiles = max_row_tiles(r, pc->block[0]) * cdiv(I, pc->block[1]);
       launch_on_current_stream("routed_swiglu_pair_tma_kernel",
                                make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", pc->cfg}}), args,
                                grid(std::min<int64_t>(g.sms, tiles)), h);
@@ -378,7 +403,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
         .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
         .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(I).i32(H).i32(h.stride(0));
-    const int64_t tiles = (r.M_pad / c.block[0]) * cdiv(I, c.block[1]);
+    const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(I, c.block[1]);
     launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g, c), args,
                              grid(std::min<int64_t>(g.sms, tiles)), h);
   } else {
@@ -398,7 +423,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
 
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
                  const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma) {
-  TORCH_INTERNAL_ASSERT(dy.expert_ordered == x.expert_ordered);
+  TORCH_INTERNAL_ASSERT(dy.expert_ordered == x.expert_ordered && r.aligned);
   const int64_t N = dw0.size(0), K = dw0.size(1);
   TORCH_INTERNAL_ASSERT(N > 0 && K > 0, "routed GEMM: grad_weight needs N, K > 0 (bias gradients come from K tiles)");
   check_rows(r, dy, N, "dy");

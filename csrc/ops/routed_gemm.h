@@ -35,23 +35,32 @@ at::Tensor as_rows(const at::Tensor& x);
 namespace routed {
 
 constexpr int64_t kAlign = 128;   // routing ALIGN: every BLOCK_M divides it
+constexpr int64_t kRowTail = 128;  // kernels/routing.py ROW_TAIL: perm entries past M of an unaligned routing
 constexpr int64_t kChunk = 1024;  // routing CHUNK
 constexpr int64_t kOneBlock = 4096;   // kernels/routing.py ONE_BLOCK: masks up to this length route in one launch
+constexpr int64_t kOneBlockSmall = 64;  // kernels/routing.py ONE_BLOCK_SMALL: the one-launch routing of decode steps
 constexpr int64_t kSingleBlock = 1024;  // kernels/routing.py SINGLE_BLOCK
 
 // perm int32 [M_pad] and seg int32 [5] = [0, start_1, end, count_0, count_1] on the device (kernels/GEMM.md).
+// aligned: each expert's segment starts at a multiple of kAlign and is padded to one (expert-ordered buffers have
+// M_pad rows; every kernel takes it). Unaligned (kernels/routing.py, ALIGN = 1): expert 1 starts at count_0, no
+// padding rows (expert-ordered buffers have M rows); only the persistent TMA kernels whose outputs are h or scattered
+// rows take it (the ffn forward): not the pointer kernels, not a whole-segment expert-ordered output, not the
+// grad-weight.
 struct Routing {
   at::Tensor perm, seg;
   int64_t M = 0, M_pad = 0;
   bool single = false;  // one expert: every row is expert 0, seg[4] == 0
+  bool aligned = true;
+  int64_t rows() const { return aligned ? M_pad : M; }  // rows of an expert-ordered buffer
 };
 
 // Two experts from a bool mask [M] (any shape; flattened) on the device: one routing kernel for M <= kOneBlock, else
 // two (count, scatter); no host sync.
-Routing route(const at::Tensor& mask);
-// One expert: perm = [0, 1, .., M-1, -1, ..] and seg = [0, end, end, M, 0], end = roundup(M, kAlign), written by
-// one launch of routing_single_kernel (no host sync), M_pad = max(end, kAlign).
-Routing route_single(int64_t M, const at::Tensor& like);
+Routing route(const at::Tensor& mask, bool aligned = true);
+// One expert: perm = [0, 1, .., M-1, -1, ..] and seg = [0, end, end, M, 0], end = roundup(M, kAlign) (aligned) or
+// M, written by one launch of routing_single_kernel (no host sync); M_pad = max(end, kAlign), or M + kRowTail.
+Routing route_single(int64_t M, const at::Tensor& like, bool aligned = true);
 
 // Per-op launch context: dtype, precision and device (compute capability, SM count).
 struct Gemm {
@@ -102,7 +111,7 @@ class Experts {
 };
 
 // A row operand or result of a routed GEMM: in token order ([M, C], rows through perm) or an expert-ordered
-// padded buffer ([M_pad, C], row r belongs to perm[r]). The last dimension must have unit stride.
+// buffer ([Routing::rows(), C], row r belongs to perm[r]). The last dimension must have unit stride.
 struct Rows {
   at::Tensor t;
   bool expert_ordered;
@@ -110,8 +119,10 @@ struct Rows {
 inline Rows tokens(const at::Tensor& t) { return {t, false}; }
 inline Rows ordered(const at::Tensor& t) { return {t, true}; }
 
-// dst[r] = src[perm[r]] (zero rows where perm[r] < 0): token-order src [M, C] -> new expert-ordered [M_pad, C].
-at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src);
+// dst[r] = src[perm[r]] (zero rows where perm[r] < 0): token-order src [M, C] -> expert-ordered [r.rows(), C], a new
+// tensor or, when `into` is defined, a view of its storage (contiguous, at least r.rows() * C elements of src's
+// dtype; e.g. the op's output, whose rows are written only after the gathered rows were last read).
+at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& into = at::Tensor());
 // gather_rows of a two-expert routing, and sum_e = the sum of src's rows of expert e ([C] each, dtype of src, fp32
 // accumulation in a fixed order): the bias gradients from the gather of dY, with no second pass over it.
 at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& sum0,
@@ -126,10 +137,12 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
 void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0,
             const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma);
 
-// h = silu(a · W1_eᵀ) * (a · W3_eᵀ) into an expert-ordered h [M_pad, I]; a [., H]; W1_e, W3_e [I, H].
-// Pointer kernel: a in token order. TMA: a in token order is gathered first (read in place for a single expert, as
-// in linear).
-void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma);
+// h = silu(a · W1_eᵀ) * (a · W3_eᵀ) into an expert-ordered h [r.rows(), I]; a [., H]; W1_e, W3_e [I, H]. Rows of h
+// that belong to no token are not written.
+// Pointer kernel: a in token order. TMA: a in token order is read in place for a single expert (as in linear),
+// gathered inside the GEMM where the table says so, else gathered first (gather_rows into `gather_into`).
+void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma,
+            const at::Tensor& gather_into = at::Tensor());
 
 // dW_e = dy_eᵀ · x_e ([N, K]) and, when db0 is defined, db_e = Σ dy_e ([N]) for e = 0 (dw0, db0) and e = 1 (dw1,
 // db1; not touched for a single-expert routing). dy [., N] and x [., K] both in token order or both expert-ordered.
