@@ -236,6 +236,11 @@ step_bench_ffn() {
     "$PY" benchmarks/bench_ffn.py $ROUTED_BENCH_ARGS
 }
 
+step_profile() {
+    # Per-kernel device times of the routed ops' main cases (benchmarks/kernel_times.py): where the time goes.
+    "$PY" benchmarks/kernel_times.py
+}
+
 step_tune() {
     # Config search with Triton's JIT (aot/tune.py): every measurement goes to $OUT/tune_sm<cc>.jsonl (resumable: put
     # a previous run's file there first, e.g. TUNE_RESUME=path in the repo), the winners to $OUT/sm<arch>.json (copy
@@ -255,7 +260,7 @@ step_tune() {
     done
 }
 
-export -f step_tune step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
+export -f step_tune step_profile step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
     step_bench_ffn step_cpp
 
 has_bench() { [[ " $BENCHES " == *" $1 "* ]]; }
@@ -288,6 +293,7 @@ has_step cpp && run_step cpp          "${CPP_S:-300}"     0    "$OUT/tests.log" 
 has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/bench_rope.log" 1 step_bench
 has_step bench-linear && run_step bench-linear "$ROUTED_BENCH_S" $(( 15 + ROUTED_AFTER_LINEAR )) "$OUT/bench_routed.log" 1 step_bench_linear_dual
 has_step bench-ffn && run_step bench-ffn "$ROUTED_BENCH_S" 15 "$OUT/bench_routed.log" 1 step_bench_ffn
+has_step profile && run_step profile   90    0    "$OUT/bench_routed.log" 1     step_profile
 has_step tune && run_step tune   "$TUNE_S"    5    "$OUT/bench_routed.log" 1     step_tune
 
 {
