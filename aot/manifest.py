@@ -142,7 +142,7 @@ def _routing_variants() -> List[Variant]:
     out = []
     # align: the aligned routing of every routed kernel, and 1 (unaligned segments) for the ffn forward's TMA path.
     for align in (config_table.ROUTING_ALIGN, 1):
-        for block, warps in ((routing.ONE_BLOCK_SMALL, 2), (routing.ONE_BLOCK, 8)):  # decode steps, then up to 4096
+        for block, warps in ((routing.ONE_BLOCK_SMALL, 2), (routing.ONE_BLOCK_MID, 8), (routing.ONE_BLOCK, 8)):
             out.append(Variant("kernels.routing:routing_one_block_kernel", {"align": align, "block": block},
                                [("mask_ptr", "*i8"), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M", "i32"),
                                 ("M_pad", "i32")],

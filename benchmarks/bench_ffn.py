@@ -307,13 +307,13 @@ def case_memory(res: Results, opts, ctx):  # noqa: ARG001
                            why="error")
             continue
         log(f"  memory {case:12s} {impl:16s} extra {extra / 2**20:8.1f} MiB = {extra / budget:.3f} x M*I*2 bytes "
-            f"(output {out_bytes / 2**20:.1f} MiB)")
+            f"({extra - budget:+,d} B; output {out_bytes / 2**20:.1f} MiB)")
         res.add_row(case=f"memory {case}", impl=impl, ms=float("nan"), tflops=float("nan"), gbps=float("nan"),
                     err=None, ok=True, error=None, note=f"peak extra {extra / 2**20:.1f} MiB = {extra / budget:.3f}x "
                                                         f"M*I elements")
         if is_target:
             res.target(f"memory {case}: peak extra forward memory / (M*I elements of bf16)", extra / budget, 1.0,
-                       True, "x")
+                       True, "x", why=f"{extra - budget:+,d} B vs M*I*2" if extra != budget else "")
     cleanup()
 
 

@@ -106,7 +106,7 @@ Routing route(const at::Tensor& mask, bool aligned) {
   r.seg = at::empty({5}, iopt);
   if (r.M <= kOneBlock) {  // one launch: count and scatter in one program (a small one for decode steps)
     const void* mp = r.M > 0 ? m.data_ptr() : r.perm.data_ptr();  // M = 0: loads are masked, any valid pointer
-    const int64_t block = r.M <= kOneBlockSmall ? kOneBlockSmall : kOneBlock;
+    const int64_t block = r.M <= kOneBlockSmall ? kOneBlockSmall : r.M <= kOneBlockMid ? kOneBlockMid : kOneBlock;
     KernelArgs a;
     a.ptr(mp).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad);
     launch_on_current_stream("routing_one_block_kernel",

@@ -38,7 +38,8 @@ constexpr int64_t kAlign = 128;   // routing ALIGN: every BLOCK_M divides it
 constexpr int64_t kRowTail = 128;  // kernels/routing.py ROW_TAIL: perm entries past M of an unaligned routing
 constexpr int64_t kChunk = 1024;  // routing CHUNK
 constexpr int64_t kOneBlock = 4096;   // kernels/routing.py ONE_BLOCK: masks up to this length route in one launch
-constexpr int64_t kOneBlockSmall = 64;  // kernels/routing.py ONE_BLOCK_SMALL: the one-launch routing of decode steps
+constexpr int64_t kOneBlockSmall = 64;  // kernels/routing.py ONE_BLOCK_SMALL / _MID: smaller one-launch routings (the
+constexpr int64_t kOneBlockMid = 1024;  // smallest that holds the mask; decode steps take the 64-lane one)
 constexpr int64_t kSingleBlock = 1024;  // kernels/routing.py SINGLE_BLOCK
 
 // perm int32 [M_pad] and seg int32 [5] = [0, start_1, end, count_0, count_1] on the device (kernels/GEMM.md).
