@@ -4,9 +4,9 @@ Exact argument lists / grids for the C++ launcher: kernels/GEMM.md.  Routing: ke
 
 Conventions
   * Two experts: e = 0 (mask false, "text"), e = 1 (mask true, "vision").
-  * perm int32 [M_pad], seg int32 [5] = [0, start_1, end, count_0, count_1] from routing.  M tiles
-    of BLOCK_M rows (BLOCK_M divides the routing ALIGN) never mix experts; the expert of tile row0
-    is (row0 >= start_1); tiles with row0 >= end are empty and skipped.
+  * perm int32 [M_pad], seg int32 [5] = [0, start_1, end, count_0, count_1] from routing. With ALIGN = 128 a
+    tile of BLOCK_M rows never mixes experts; on an unaligned routing (ALIGN = 1) the persistent TMA kernels
+    store only rows below row_hi (_tile_at). Tiles with row0 >= end are empty and skipped.
   * "Generic" GEMM: out[M, N] = A[M, K] @ B^T, B[n, k] = W_e[n, k]  (W_TRANSPOSED = False, forward,
     W_e in nn.Linear layout [N, K]) or B[n, k] = W_e[k, n] (W_TRANSPOSED = True, grad-input:
     dX = dY @ W_e with W_e [K_red = N_lin, N_out = K_lin]).
