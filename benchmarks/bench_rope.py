@@ -40,7 +40,6 @@ Exit codes: 0 all targets PASS, 1 some target FAIL or a case errored, 2 no CUDA 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -49,17 +48,18 @@ import random
 import signal
 import sys
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+import common  # noqa: E402  (importable without torch)
+from common import ERR_TOL, Interrupted, cleanup, die_env, log, on_signal  # noqa: E402
+
 # Must be set before torch/inductor are imported: one in-process compile worker is plenty for the
 # handful of pointwise graphs here and avoids starting a subprocess pool.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-ERR_TOL = 1e-2
 TARGET_COPY_TIME = 1.11  # main fwd/bwd: time <= 1.11 x copy time
 TARGET_VS_COMPILE = 1.5  # main fwd/bwd: >= 1.5x faster than torch.compile
 TARGET_QK_BW = 0.90  # qk: >= 90 % of copy GB/s
@@ -74,26 +74,7 @@ IMPL_FUSED_2X = "fused_ops 2x rope_fwd"
 IMPL_FUSED_SYNC = "fused_ops, sync checks"
 
 torch = None  # set in main() after the environment checks
-common = None
 DEV = "cuda"  # every tensor is created here (a CPU dry run of this script's logic may override it)
-
-
-class Interrupted(BaseException):
-    pass
-
-
-def _on_signal(signum, frame):  # noqa: ARG001
-    raise Interrupted(f"signal {signum}")
-
-
-def die_env(msg: str) -> None:
-    print(f"bench_rope: cannot run: {msg}", file=sys.stderr, flush=True)
-    print(f"bench_rope: SKIPPED ({msg})", flush=True)
-    sys.exit(2)
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # =============================================================================== formulas
@@ -206,12 +187,7 @@ class Results:
         return None
 
     def error(self, where: str, exc: BaseException) -> str:
-        msg = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line: it goes into a markdown table
-        if len(msg) > 400:
-            msg = msg[:400] + " ..."
-        self.errors.append({"where": where, "error": msg, "traceback": traceback.format_exc(limit=6)})
-        log(f"  !! {where}: {msg}")
-        return msg
+        return common.record_error(self.errors, where, exc)
 
 
 def measure(res: Results, case, direction, impl, fn, arg_sets, nbytes, check=None, opts=None, note=""):
@@ -219,30 +195,10 @@ def measure(res: Results, case, direction, impl, fn, arg_sets, nbytes, check=Non
     except on interruption; failures are recorded in the row."""
     row = res.add(case=case, dir=direction, impl=impl, ms=float("nan"), gbps=float("nan"), bytes=int(nbytes),
                   err=None, ok=None, error=None, note=note)
-    try:
-        with torch.no_grad():
-            ms = common.bench(fn, args=arg_sets, warmup=opts.warmup, rep=opts.rep)
-        row["ms"] = ms
-        row["gbps"] = common.gbps(nbytes, ms)
-    except Interrupted:
-        raise
-    except Exception as e:  # noqa: BLE001
-        row["error"] = res.error(f"{case}/{direction}/{impl} timing", e)
-        row["ok"] = False
+    if not common.timed_check(row, f"{case}/{direction}/{impl}", res.error, fn, arg_sets, opts.warmup, opts.rep,
+                              check):
         return row
-    if check is not None:
-        try:
-            with torch.no_grad():
-                err = check()
-            row["err"] = err
-            row["ok"] = bool(err == err and err < ERR_TOL)
-            if not row["ok"]:
-                log(f"  !! {case}/{direction}/{impl}: WRONG OUTPUT, err={err:.3g} (tol {ERR_TOL})")
-        except Interrupted:
-            raise
-        except Exception as e:  # noqa: BLE001
-            row["error"] = res.error(f"{case}/{direction}/{impl} correctness", e)
-            row["ok"] = False
+    row["gbps"] = common.gbps(nbytes, row["ms"])
     log(f"  {case:5s} {direction} {impl:22s} {row['ms']:.4f} ms  {row['gbps']:.0f} GB/s"
         + (f"  err={row['err']:.2e}" if row["err"] is not None else ""))
     return row
@@ -261,12 +217,6 @@ def measure_copy(res: Results, case, direction, data_bytes, opts):
         row["ok"] = False
     log(f"  {case:5s} {direction} {IMPL_COPY:22s} {row['ms']:.4f} ms  {row['gbps']:.0f} GB/s")
     return row
-
-
-def cleanup():
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def make_compiled(fn, opts, res, label):
@@ -726,24 +676,21 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    global torch, common
+    global torch
     opts = parse_args(argv)
     t_start = time.monotonic()
 
     try:
         import torch as _torch
     except Exception as e:  # noqa: BLE001
-        die_env(f"torch is not importable ({type(e).__name__}: {e})")
+        die_env("bench_rope", f"torch is not importable ({type(e).__name__}: {e})")
     torch = _torch
-    import common as _common
-
-    common = _common
     if not torch.cuda.is_available():
-        die_env("CUDA is not available (torch.cuda.is_available() is False); run this on the GPU machine")
+        die_env("bench_rope", "CUDA is not available (torch.cuda.is_available() is False); run this on the GPU machine")
     try:
         import fused_ops  # noqa: F401  (loads the library and registers torch.ops.fused.*)
     except Exception as e:  # noqa: BLE001
-        die_env(f"`import fused_ops` failed ({type(e).__name__}: {e}); build and install the package first "
+        die_env("bench_rope", f"`import fused_ops` failed ({type(e).__name__}: {e}); build and install the package first "
                 "(python3 -m pip install --no-build-isolation --no-deps .)")
     missing = []
     for op in ("rope_fwd", "rope_bwd", "rope_fwd_qk"):
@@ -752,12 +699,12 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001
             missing.append(op)
     if "rope_fwd" in missing:
-        die_env(f"torch.ops.fused.rope_fwd is not registered after `import fused_ops` (missing: {', '.join(missing)})")
+        die_env("bench_rope", f"torch.ops.fused.rope_fwd is not registered after `import fused_ops` (missing: {', '.join(missing)})")
     if missing:
         log(f"warning: missing ops {', '.join(missing)}; their cases will be reported as errors")
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
     try:
         import triton

@@ -1,4 +1,5 @@
-"""Shared timing helpers for the benchmarks in this folder.
+"""Shared timing helpers for the benchmarks in this folder, and their run control (errors, interruption, one
+timed-and-checked measurement: timed_check).
 
 Everything here needs CUDA at call time, but importing the module does not (so
 scripts can print a clean "no CUDA" message instead of a traceback).
@@ -39,7 +40,9 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import sys
 import time
+import traceback
 from typing import Any, Callable, Iterable, Sequence
 
 try:  # keep the module importable without torch so callers can report nicely
@@ -233,3 +236,76 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], formats: 
     s = format_table(headers, rows, formats)
     print(s, flush=True)
     return s
+
+
+# --------------------------------------------------------------------------- run control (every benchmark script)
+ERR_TOL = 1e-2  # ||out - ref|| / ||ref|| above this and a measured implementation counts as wrong
+
+
+class Interrupted(BaseException):
+    """SIGTERM / SIGINT during a run (on_signal): the scripts stop measuring and still write what they have."""
+
+
+def on_signal(signum, frame):  # noqa: ARG001
+    raise Interrupted(f"signal {signum}")
+
+
+def die_env(name: str, msg: str) -> None:
+    print(f"{name}: cannot run: {msg}", file=sys.stderr, flush=True)
+    print(f"{name}: SKIPPED ({msg})", flush=True)
+    sys.exit(2)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def record_error(errors: list, where: str, exc: BaseException) -> str:
+    """Appends {where, error, traceback} to errors, logs it; returns the one-line message (it goes into a markdown
+    table)."""
+    msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+    msg = msg if len(msg) <= 400 else msg[:400] + " ..."
+    errors.append({"where": where, "error": msg, "traceback": traceback.format_exc(limit=6)})
+    log(f"  !! {where}: {msg}")
+    return msg
+
+
+def timed_check(row: dict, label: str, error, fn: Callable, arg_sets, warmup: int, rep: int, check=None,
+                best_of: int = 1) -> bool:
+    """One measurement of a results row: row["ms"] = the median time of fn over the rotating arg_sets (bench; the
+    lowest of best_of medians), then check() once -> row["err"], row["ok"] (err < ERR_TOL). A failure goes to
+    row["error"] through error(where, exc) with row["ok"] = False; only Interrupted propagates. Returns False when
+    the timing failed (the caller then fills nothing else)."""
+    import torch
+    try:
+        with torch.no_grad():
+            row["ms"] = min(bench(fn, args=arg_sets, warmup=warmup, rep=rep) for _ in range(best_of))
+    except Interrupted:
+        raise
+    except Exception as e:  # noqa: BLE001
+        row["error"] = error(f"{label} timing", e)
+        row["ok"] = False
+        return False
+    if check is not None:
+        try:
+            with torch.no_grad():
+                err = check()
+            row["err"] = err
+            row["ok"] = bool(err == err and err < ERR_TOL)
+            if not row["ok"]:
+                log(f"  !! {label}: WRONG OUTPUT, err={err:.3g} (tol {ERR_TOL})")
+        except Interrupted:
+            raise
+        except Exception as e:  # noqa: BLE001
+            row["error"] = error(f"{label} correctness", e)
+            row["ok"] = False
+    return True
+
+
+def cleanup() -> None:
+    """Frees what the last case left: garbage, then the caching allocator's blocks."""
+    import gc
+    import torch
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()

@@ -6,37 +6,14 @@ there, and says SKIPPED when it is not.
 """
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
 import signal
-import sys
 import time
-import traceback
 
 import common
-
-ERR_TOL = 1e-2  # ||out - ref|| / ||ref|| above this and a measured implementation counts as wrong
-
-
-class Interrupted(BaseException):
-    pass
-
-
-def on_signal(signum, frame):  # noqa: ARG001
-    raise Interrupted(f"signal {signum}")
-
-
-def die_env(name: str, msg: str) -> None:
-    print(f"{name}: cannot run: {msg}", file=sys.stderr, flush=True)
-    print(f"{name}: SKIPPED ({msg})", flush=True)
-    sys.exit(2)
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
+from common import ERR_TOL, Interrupted, cleanup, die_env, log, on_signal  # noqa: F401  (re-exported to the benchmarks)
 
 class Results:
     def __init__(self):
@@ -49,11 +26,7 @@ class Results:
         return row
 
     def error(self, where: str, exc: BaseException) -> str:
-        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
-        msg = msg if len(msg) <= 400 else msg[:400] + " ..."
-        self.errors.append({"where": where, "error": msg, "traceback": traceback.format_exc(limit=6)})
-        log(f"  !! {where}: {msg}")
-        return msg
+        return common.record_error(self.errors, where, exc)
 
     def target(self, name: str, value, thr: float, le: bool, unit: str, rows=(), status=None, why="") -> None:
         """Records and prints one target; FAIL when a row it depends on errored or produced a wrong output.
@@ -110,35 +83,14 @@ def measure(res: Results, opts, case, impl, fn, arg_sets, flops, check=None, not
     best_of: the median is taken that many times and the lowest kept. The references a target divides by use 2: a
     disturbance only ever slows a run down, and a slowed reference would turn a miss into a PASS (seen once: the
     linear_dual backward's cuBLAS reference at 0.576 ms instead of its usual 0.355)."""
-    import torch
     row = res.add_row(case=case, impl=impl, ms=float("nan"), tflops=float("nan"), gbps=float("nan"), err=None,
                       ok=None, error=None, note=note)
-    try:
-        with torch.no_grad():
-            ms = min(common.bench(fn, args=arg_sets, warmup=opts.warmup, rep=opts.rep) for _ in range(best_of))
-        row["ms"] = ms
-        row["tflops"] = flops / (ms * 1e-3) / 1e12 if flops else float("nan")
-        if wbytes:
-            row["gbps"] = common.gbps(wbytes, ms)
-    except Interrupted:
-        raise
-    except Exception as e:  # noqa: BLE001
-        row["error"] = res.error(f"{case}/{impl} timing", e)
-        row["ok"] = False
+    if not common.timed_check(row, f"{case}/{impl}", res.error, fn, arg_sets, opts.warmup, opts.rep, check, best_of):
         return row
-    if check is not None:
-        try:
-            with torch.no_grad():
-                err = check()
-            row["err"] = err
-            row["ok"] = bool(err == err and err < ERR_TOL)
-            if not row["ok"]:
-                log(f"  !! {case}/{impl}: WRONG OUTPUT, err={err:.3g} (tol {ERR_TOL})")
-        except Interrupted:
-            raise
-        except Exception as e:  # noqa: BLE001
-            row["error"] = res.error(f"{case}/{impl} correctness", e)
-            row["ok"] = False
+    ms = row["ms"]
+    row["tflops"] = flops / (ms * 1e-3) / 1e12 if flops else float("nan")
+    if wbytes:
+        row["gbps"] = common.gbps(wbytes, ms)
     log(f"  {case:16s} {impl:16s} {row['ms']:.4f} ms  {row['tflops']:6.1f} TFLOP/s"
         + (f"  {row['gbps']:.0f} GB/s weights" if wbytes else "")
         + (f"  err={row['err']:.1e}" if row["err"] is not None else ""))
@@ -162,13 +114,6 @@ def poisoned_call(fn, *args, out_bytes=0):
         p = torch.full((out_bytes // 4 + 1,), float("nan"), dtype=torch.float32, device="cuda")
         del p
     return fn(*args)
-
-
-def cleanup():
-    import torch
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def json_clean(o):
