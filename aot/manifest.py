@@ -107,10 +107,16 @@ def _rope_variants() -> List[Variant]:
 GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ieee"))
 
 
+# Row counts: no hint. They only bound rows (no vector access runs along them), and M_pad = M + 128 of an unaligned
+# routing is rarely a multiple of 16: a hint on it would send every such call (one decode token: M_pad = 129) to the
+# generic variant, which loses the hints on the pointers and strides that vectorize the gathers and stores.
+_ROW_COUNTS = {"M", "M_pad", "n_rows"}
+
+
 def _aligned(args) -> Dict[str, object]:
-    """Divisibility hints (16) on every pointer and integer argument: 16-byte aligned pointers, sizes and strides
-    multiples of 16 elements. Tensor descriptors carry none."""
-    return {n: 16 for n, ty in args if not ty.startswith("tensordesc")}
+    """Divisibility hints (16) on every pointer and every integer argument but the row counts: 16-byte aligned
+    pointers, column sizes and strides multiples of 16 elements. Tensor descriptors carry none."""
+    return {n: 16 for n, ty in args if not ty.startswith("tensordesc") and n not in _ROW_COUNTS}
 
 
 _MNK = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")  # what a config's block and group mean, per kernel kind
