@@ -31,6 +31,22 @@ def table(arch: int) -> Dict:
     return config_table.load(arch)
 
 
+def route_blocks(kernel: str, family: str, cfg: Dict) -> List[int]:
+    """The ROUTE_BLOCKs a gather GEMM that routes for itself needs with config `cfg`: the one-block routing size of
+    every m its buckets serve in any architecture's table (kernels/routing.py one_block_sizes; 0 = m too large to
+    route in the kernel, a routing launch comes first). The C++ launcher asks for one_block_size(m)."""
+    from kernels.routing import one_block_sizes
+    sizes: Dict[int, None] = {}
+    for arch in ARCHS:
+        lo = 0
+        for e in config_table.buckets(table(arch), kernel, family):
+            hi = e.get("max_m")
+            if not e.get("off") and config_table.cfg_str(e) == config_table.cfg_str(cfg):
+                sizes.update(dict.fromkeys(one_block_sizes(lo, hi)))
+            lo = hi if hi is not None else lo
+    return list(sizes)
+
+
 def configs(kernel: str, family: str) -> List[Tuple[Dict, Tuple[int, ...]]]:
     """Every distinct config of (kernel, family) in the tables of ARCHS (aot/configs/sm<arch>.json), with the
     architectures whose table lists it: a config is compiled for exactly those (its variant key carries "cfg=...", and
@@ -244,26 +260,34 @@ def _gemm_variants() -> List[Variant]:
                              args, meta, cfg, archs)
 
         # routed_linear_gather_tma_kernel (sm_90): the linear forward with A in token order, its rows gathered by
-        # pointer loads inside the GEMM (no gather copy), W through TMA, rows scattered; with / without bias.
+        # pointer loads inside the GEMM (no gather copy), W through TMA, rows scattered; with / without bias. It routes
+        # the mask itself (route = ROUTE_BLOCK > 0) for the m its buckets serve up to routing.ONE_BLOCK; align: the
+        # aligned routing of linear_dual.
         for cfg, archs in configs("routed_linear_gather_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             args = [("a_ptr", p), ("w_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("bias0_ptr", p), ("bias1_ptr", p),
-                    ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"),
-                    ("K", "i32"), ("stride_am", "i32"), ("stride_om", "i32")]
-            for bias in (1, 0):
-                meta = _persistent_meta(cfg, prec, HAS_BIAS=bias)
-                out += _both("kernels.gemm:routed_linear_gather_tma_kernel", dict(base, bias=bias), args, meta, cfg,
-                             archs)
+                    ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("mask_ptr", "*i8"), ("M", "i32"),
+                    ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_am", "i32"), ("stride_om", "i32")]
+            align = config_table.ROUTING_ALIGN
+            for route in route_blocks("routed_linear_gather_tma_kernel", fam, cfg):
+                for bias in (1, 0):
+                    meta = _persistent_meta(cfg, prec, HAS_BIAS=bias)
+                    meta.update(ROUTE_BLOCK=route, ALIGN=align)
+                    out += _both("kernels.gemm:routed_linear_gather_tma_kernel",
+                                 dict(base, bias=bias, route=route, align=align), args, meta, cfg, archs)
 
-        # routed_swiglu_gather_tma_kernel (sm_90): the gate/up GEMM with x in token order (rows gathered inside).
+        # routed_swiglu_gather_tma_kernel (sm_90): the gate/up GEMM with x in token order (rows gathered inside), on
+        # the unaligned routing of the ffn forward's TMA path; routes the mask itself as the linear one does.
         for cfg, archs in configs("routed_swiglu_gather_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             args = [("a_ptr", p), ("w1_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
                     ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
-                    ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_am", "i32"),
-                    ("stride_hm", "i32")]
-            meta = _persistent_meta(cfg, prec)
-            out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel", dict(base), args, meta, cfg, archs)
+                    ("seg_ptr", "*i32"), ("mask_ptr", "*i8"), ("M", "i32"), ("M_pad", "i32"), ("N", "i32"),
+                    ("K", "i32"), ("stride_am", "i32"), ("stride_hm", "i32")]
+            for route in route_blocks("routed_swiglu_gather_tma_kernel", fam, cfg):
+                meta = dict(_persistent_meta(cfg, prec), ROUTE_BLOCK=route, ALIGN=1)
+                out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel", dict(base, route=route, align=1), args,
+                             meta, cfg, archs)
 
         # routed_grad_weight_tma_kernel (sm_90): expert-ordered dy / x through [BR, BN] / [BR, BK] descriptors.
         for cfg, archs in configs("routed_grad_weight_tma_kernel", fam):

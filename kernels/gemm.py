@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import grid_dependency_sync
+from kernels.routing import route_one_block
 
 # Rows per program of gather_rows_kernel (the AOT manifest compiles this value and puts it in the keys as "rows";
 # csrc/ops/routed_gemm.cpp's kGatherRows must match). It divides the routing ALIGN, so a block of the gather's column
@@ -67,6 +68,20 @@ def _row_tiles(seg_ptr, BLOCK_M: tl.constexpr, WHOLE_SEGMENTS: tl.constexpr):
         hi0 = count0
         hi1 = start1 + count1
     return start1, t0, num_pid_m, hi0, hi1
+
+
+@triton.jit
+def _routed_row_tiles(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr,
+                      ALIGN: tl.constexpr):
+    """_row_tiles of the tiles that hold rows. ROUTE_BLOCK > 0 (M <= ROUTE_BLOCK): the kernel routes the mask itself,
+    with no routing launch before it. Every program runs the one-block routing (kernels/routing.py) and writes the
+    whole perm and seg, all programs the same values, then reads back only what it wrote itself: the CTA barrier
+    orders a program's global writes before its own reads, so no program waits for another. The perm and seg left
+    in memory are the routing kernel's, for the kernels after this one."""
+    if ROUTE_BLOCK > 0:
+        route_one_block(mask_ptr, perm_ptr, seg_ptr, M, M_pad, ROUTE_BLOCK, ALIGN)
+        tl.debug_barrier()
+    return _row_tiles(seg_ptr, BLOCK_M, False)
 
 
 @triton.jit
@@ -352,20 +367,21 @@ def _gathered_a(a_ptrs, valid, offs_k, K, k0):
 
 
 @triton.jit
-def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr, M_pad, N, K,
-                                    stride_am, stride_om,
+def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr, mask_ptr, M,
+                                    M_pad, N, K, stride_am, stride_om,
                                     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    GROUP_M: tl.constexpr,
+                                    GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                                     FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """The forward of routed_linear_tma_kernel (W through TMA, output rows scattered) with A in token order, its rows
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
     of docs/perf.md ("gather inside the GEMM"), measured against gather + routed_linear_tma_kernel by aot/tune.py.
-    Persistent over the tiles that hold rows."""
+    Persistent over the tiles that hold rows. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, False)
+    start1, t0, num_pid_m, hi0, hi1 = _routed_row_tiles(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK_M, ROUTE_BLOCK,
+                                                        ALIGN)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
@@ -452,16 +468,19 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, M_
 
 
 @triton.jit
-def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_am,
-                                    stride_hm, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, mask_ptr, M, M_pad, N, K,
+                                    stride_am, stride_hm, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                    ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                                     FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """routed_swiglu_tma_kernel with x in token order, its rows gathered through perm inside the main loop (no
-    [M_pad, H] gather copy); h expert-ordered as there (rows past each expert's last row tile not written)."""
+    [M_pad, H] gather copy); h expert-ordered as there (rows past each expert's last row tile not written).
+    ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, False)
+    start1, t0, num_pid_m, hi0, hi1 = _routed_row_tiles(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK_M, ROUTE_BLOCK,
+                                                        ALIGN)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
@@ -584,6 +603,16 @@ def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_ptr, dw1_ptr, N,
 # ----------------------------------------------------------------------------------------------
 # Python launchers (JIT / TRITON_INTERPRET use; they also document the grids for the C++ side)
 # ----------------------------------------------------------------------------------------------
+def _mask_arg(mask, perm, route_block):
+    """(mask pointer argument, M) of a kernel that routes for itself (route_block > 0), else placeholders."""
+    if not route_block:
+        return perm, 0
+    import torch
+    M = mask.shape[0]
+    assert M <= route_block and mask.dtype in (torch.int8, torch.uint8, torch.bool)
+    return (mask.view(torch.int8) if M > 0 else perm), M
+
+
 def _grid_mn(M_pad, N, BM, BN):
     return ((M_pad // BM) * triton.cdiv(N, BN), )
 
@@ -652,12 +681,14 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
     return out
 
 
-def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, *, input_precision="tf32", BM=128,
-                                    BN=256, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
-                                    FLATTEN=False):
-    """a [M, K] in token order (rows gathered in the kernel); w_stacked [2, N, K]; out [M, N]."""
+def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, *, mask=None, route_block=0,
+                                    align=128, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
+                                    num_programs=None, num_warps=8, num_stages=3, FLATTEN=False):
+    """a [M, K] in token order (rows gathered in the kernel); w_stacked [2, N, K]; out [M, N]. route_block > 0: perm
+    and seg are written by the kernel from mask (int8 [M], M <= route_block) with routing ALIGN = align."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad = perm.shape[0]
+    mask_arg, M = _mask_arg(mask, perm, route_block)
     K = a.shape[1]
     N = w_stacked.shape[1]
     w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN, BK])
@@ -666,10 +697,11 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
         bias0 = bias1 = out
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_linear_gather_tma_kernel[grid](a, w_desc, bias0, bias1, out, perm, seg, M_pad, N, K, a.stride(0),
-                                          out.stride(0), HAS_BIAS=has_bias, INPUT_PRECISION=input_precision,
-                                          BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M,
-                                          FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
+    routed_linear_gather_tma_kernel[grid](a, w_desc, bias0, bias1, out, perm, seg, mask_arg, M, M_pad, N, K,
+                                          a.stride(0), out.stride(0), HAS_BIAS=has_bias,
+                                          INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                                          GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
+                                          num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -707,19 +739,22 @@ def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, i
     return h
 
 
-def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, input_precision="tf32", BM=128,
-                                    BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
-                                  FLATTEN=False):
-    """a [M, K] in token order; h [M_pad, N] expert-ordered (rows >= seg[2] not written)."""
+def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, mask=None, route_block=0, align=128,
+                                    input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None,
+                                    num_warps=8, num_stages=3, FLATTEN=False):
+    """a [M, K] in token order; h [M_pad, N] expert-ordered (rows >= seg[2] not written). route_block: as in
+    launch_routed_linear_gather_tma."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad, K, N = perm.shape[0], a.shape[1], w1_stacked.shape[1]
+    mask_arg, M = _mask_arg(mask, perm, route_block)
     w1_desc = TensorDescriptor.from_tensor(w1_stacked, [1, BN, BK])
     w3_desc = TensorDescriptor.from_tensor(w3_stacked, [1, BN, BK])
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_swiglu_gather_tma_kernel[grid](a, w1_desc, w3_desc, h, perm, seg, M_pad, N, K, a.stride(0), h.stride(0),
-                                          INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                          GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
+    routed_swiglu_gather_tma_kernel[grid](a, w1_desc, w3_desc, h, perm, seg, mask_arg, M, M_pad, N, K, a.stride(0),
+                                          h.stride(0), INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
+                                          BLOCK_K=BK, GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align,
+                                          FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return h
 
 

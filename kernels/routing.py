@@ -53,6 +53,24 @@ def single_padded_rows(M: int, align: int) -> int:
     return M + ROW_TAIL.value if align == 1 else max(triton.cdiv(M, align) * align, align)
 
 
+def one_block_size(M: int) -> int:
+    """The BLOCK of the one-block routing of a mask of M rows (the smallest of ONE_BLOCK_SMALL / _MID / ONE_BLOCK that
+    holds it), or 0 when M > ONE_BLOCK (the two-kernel pass). The C++ launcher chooses the same way (routed_gemm.cpp);
+    a gather GEMM that routes for itself is compiled with this as its ROUTE_BLOCK (aot/manifest.py)."""
+    for block in (ONE_BLOCK_SMALL, ONE_BLOCK_MID, ONE_BLOCK):
+        if M <= block:
+            return block
+    return 0
+
+
+def one_block_sizes(lo: int, hi) -> list:
+    """one_block_size(m) for every m in (lo, hi] (hi None: unbounded), each once. The size changes only at m = b + 1
+    for the blocks b, so m = lo + 1 and those points in the range give every value."""
+    blocks = (ONE_BLOCK_SMALL, ONE_BLOCK_MID, ONE_BLOCK)
+    points = [lo + 1] + [b + 1 for b in blocks if lo + 1 < b + 1 and (hi is None or b + 1 <= hi)]
+    return list(dict.fromkeys(one_block_size(m) for m in points))
+
+
 def num_route_blocks(M: int, chunk: int) -> int:
     return max(1, triton.cdiv(M, chunk))
 
@@ -135,11 +153,9 @@ def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_p
 
 
 @triton.jit
-def routing_one_block_kernel(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                             PDL: tl.constexpr = False):
-    """Both routing steps in one program for M <= BLOCK: one launch instead of two (decode and prefill up to BLOCK
-    tokens; the launches are a visible part of a decode step)."""
-    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
+def route_one_block(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """Both routing steps in one program for M <= BLOCK: routing_one_block_kernel's body, also run at the start of
+    the GEMMs that route for themselves (kernels/gemm.py, ROUTE_BLOCK)."""
     offs = tl.arange(0, BLOCK)
     valid = offs < M
     m = tl.load(mask_ptr + offs, mask=valid, other=0)
@@ -147,6 +163,15 @@ def routing_one_block_kernel(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.co
     t0 = M - t1
     _scatter_rows(m, perm_ptr, offs, 0, valid, t0 * 0, t1 * 0, ((t0 + ALIGN - 1) // ALIGN) * ALIGN)
     _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
+
+
+@triton.jit
+def routing_one_block_kernel(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    """Both routing steps in one program for M <= BLOCK: one launch instead of two (decode and prefill up to BLOCK
+    tokens; the launches are a visible part of a decode step)."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
+    route_one_block(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK, ALIGN)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kernels import gemm  # noqa: E402
-from kernels.routing import padded_rows, route, route_single  # noqa: E402
+from kernels.routing import one_block_size, padded_rows, route, route_single  # noqa: E402
 
 ALIGN = 16
 T = dict(BM=16, BN=16, BK=16)
@@ -506,9 +506,12 @@ def test_shipped_config(kernel, fam, block, group):
         elif kernel == "routed_linear_tma_kernel":
             gemm.launch_routed_linear_tma(xg, w, b0, b1, out, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
                                           GROUP_M=group, num_programs=5)
-        else:
-            gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, input_precision=p, BM=bm, BN=bn,
+        else:  # routing the mask itself, as the launcher does for m <= ONE_BLOCK
+            perm_k, seg_k, want = routed_here(mask, 128)
+            gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm_k, seg_k, mask=mask,
+                                                 route_block=one_block_size(M), input_precision=p, BM=bm, BN=bn,
                                                  BK=bk, GROUP_M=group, num_programs=5)
+            assert torch.equal(perm_k, want[0]) and torch.equal(seg_k, want[1])
         assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < tol
     elif kernel.startswith("routed_swiglu"):
         bm, bn, bk = block
@@ -518,8 +521,9 @@ def test_shipped_config(kernel, fam, block, group):
             gemm.launch_routed_swiglu(x, w1[0], w1[1], w3[0], w3[1], h, perm, seg, N, K, input_precision=p, BM=bm,
                                       BN=bn, BK=bk, GROUP_M=group)
         elif kernel == "routed_swiglu_gather_tma_kernel":
-            gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
-                                                 GROUP_M=group, num_programs=7)
+            perm_k, seg_k, _ = routed_here(mask, 128)
+            gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm_k, seg_k, mask=mask, route_block=one_block_size(M),
+                                                 input_precision=p, BM=bm, BN=bn, BK=bk, GROUP_M=group, num_programs=7)
         elif kernel == "routed_swiglu_pair_tma_kernel":
             gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision=p, BM=bm,
                                                BN=bn, BK=bk, GROUP_M=group, num_programs=7)
@@ -564,35 +568,52 @@ def test_swiglu_backward_in_place(dtype):
         assert rel_err(got, want) < TOL[dtype]
 
 
+def routed_here(mask, align):
+    """(perm, seg) poisoned for a kernel that routes for itself (ROUTE_BLOCK), and what the routing kernel gives."""
+    want = route(mask, align=align)
+    perm = torch.full_like(want[0], 7777)  # a valid-looking row would be gathered: the kernel must overwrite all
+    seg = torch.full_like(want[1], 3)
+    return perm, seg, want
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", MASKS)
-def test_linear_gather_tma(dtype, kind):
-    """A rows gathered by pointer loads inside the TMA GEMM (no gather copy); K not a multiple of BK."""
+@pytest.mark.parametrize("route_block", [0, 64])
+def test_linear_gather_tma(dtype, kind, route_block):
+    """A rows gathered by pointer loads inside the TMA GEMM (no gather copy); K not a multiple of BK. route_block:
+    the kernel routes the mask itself (perm and seg poisoned before; afterwards they must be the routing kernel's)."""
     M, N, K = 37, 24, 40
     gen = torch.Generator().manual_seed(13)
     mask = make_mask(kind, M, gen)
     x = rnd(gen, M, K, dtype=dtype)
     w = rnd(gen, 2, N, K, dtype=dtype)
     b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
-    perm, seg = route(mask, align=ALIGN)
+    perm, seg, want = routed_here(mask, ALIGN) if route_block else (*route(mask, align=ALIGN), None)
     out = torch.full((M, N), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, input_precision=prec(dtype), num_programs=3,
-                                         **T)
+    gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, mask=mask, route_block=route_block,
+                                         align=ALIGN, input_precision=prec(dtype), num_programs=3, **T)
     assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < TOL[dtype]
+    if want is not None:
+        assert torch.equal(perm, want[0]) and torch.equal(seg, want[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["random", "all_true", "all_false", "span"])
-def test_swiglu_gather_tma(dtype, kind):
-    """x rows gathered by pointer loads inside the TMA gate/up GEMM; h expert-ordered."""
+@pytest.mark.parametrize("route_block, align", [(0, ALIGN), (64, ALIGN), (64, 1)])
+def test_swiglu_gather_tma(dtype, kind, route_block, align):
+    """x rows gathered by pointer loads inside the TMA gate/up GEMM; h expert-ordered. route_block: as in
+    test_linear_gather_tma, also on the ffn forward's unaligned routing (align = 1)."""
     M, H, I = 37, 40, 24
     gen = torch.Generator().manual_seed(14)
     mask = make_mask(kind, M, gen)
     x = rnd(gen, M, H, dtype=dtype)
     w1, w3 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype)
-    perm, seg = route(mask, align=ALIGN)
+    perm, seg, want = routed_here(mask, align) if route_block else (*route(mask, align=align), None)
     h = torch.full((perm.shape[0], I), float("nan"), dtype=dtype)
-    gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, input_precision=prec(dtype), num_programs=3, **T)
+    gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, mask=mask, route_block=route_block, align=align,
+                                         input_precision=prec(dtype), num_programs=3, **T)
+    if want is not None:
+        assert torch.equal(perm, want[0]) and torch.equal(seg, want[1])
     valid = perm >= 0
     got = torch.empty(M, I, dtype=dtype)
     got[perm[valid].long()] = h[valid]

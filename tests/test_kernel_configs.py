@@ -123,6 +123,27 @@ def test_manifest_compiles_every_config_for_its_architectures():
             assert cfg in listed, f"{kernel} {cfg} compiled for sm_{arch} but not in its table"
 
 
+@pytest.mark.parametrize("kernel, align", [("routed_linear_gather_tma_kernel", ct.ROUTING_ALIGN),
+                                           ("routed_swiglu_gather_tma_kernel", 1)])
+def test_gather_kernels_compile_the_route_block_of_every_m(kernel, align):
+    """The gather TMA kernels route a deferred routing themselves: for every m a bucket serves up to the one-block
+    limit, the launcher asks for route=one_block_size(m) with that bucket's config (csrc/ops/routed_gemm.cpp)."""
+    from kernels.routing import ONE_BLOCK, one_block_size
+    keys = {(v.key["dtype"], v.key["prec"], v.key["cfg"], v.key["route"], v.key["align"]) for v in manifest.variants()
+            if v.name == kernel}
+    table = TABLES[90]
+    for dt, prec in manifest.GEMM_UNITS:
+        fam = ct.family(dt, prec)
+        if not table["kernels"].get(kernel, {}).get(fam):
+            continue
+        for m in sorted({1, 2, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1000, 1024, 1025, 4095, ONE_BLOCK}):
+            e = ct.pick(table, kernel, fam, m)
+            if e.get("off"):
+                continue
+            want = (dt, prec, ct.cfg_str(e), one_block_size(m), align)
+            assert want in keys, f"{kernel}: no variant {want} for m = {m}"
+
+
 def test_variant_meta_matches_its_config():
     for v in manifest.variants():
         if "cfg" not in v.key:
@@ -167,15 +188,16 @@ import copy, json, sys, tempfile
 sys.path.insert(0, sys.argv[1])
 from aot import compile as aot_compile, config_table as ct, manifest
 t = copy.deepcopy(ct.load(90))
-for kernel in ("routed_linear_gather_tma_kernel", "routed_swiglu_pair_tma_kernel"):
-    t["kernels"][kernel]["half"][-1]["flatten"] = True
+for kernel in ("routed_linear_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_linear_tma_kernel"):
+    t["kernels"][kernel]["half"][-1]["flatten"] = True  # shipped flattened or not: each kernel compiles flattened
 ct.validate(t)
 manifest.table = lambda arch: t if arch == 90 else ct.load(arch)
 picked = {}
 for v in manifest.variants():
     if v.key.get("cfg", "").endswith("_f") and v.key.get("dtype") == "bf16":
         picked.setdefault(v.name, v)
-assert set(picked) == {"routed_linear_gather_tma_kernel", "routed_swiglu_pair_tma_kernel"}, sorted(picked)
+assert set(picked) == {"routed_linear_gather_tma_kernel", "routed_swiglu_pair_tma_kernel",
+                       "routed_linear_tma_kernel"}, sorted(picked)
 with tempfile.TemporaryDirectory() as d:
     for name, v in sorted(picked.items()):
         assert v.meta["FLATTEN"] is True

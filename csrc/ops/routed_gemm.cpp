@@ -94,6 +94,29 @@ at::Tensor unit_inner(const at::Tensor& w) { return (w.size(1) > 1 && w.stride(1
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------- routing
+namespace {
+// kernels/routing.py one_block_size: the one-block routing's BLOCK for M rows (the smallest that holds the mask; a
+// decode step takes the 64-lane one), 0 past kOneBlock.
+int64_t one_block_size(int64_t M) {
+  return M <= kOneBlockSmall ? kOneBlockSmall : M <= kOneBlockMid ? kOneBlockMid : M <= kOneBlock ? kOneBlock : 0;
+}
+
+// The mask argument of a routing kernel: M = 0 masks every load, any valid pointer serves.
+const void* mask_arg(const Routing& r) { return r.M > 0 ? r.pending.data_ptr() : r.perm.data_ptr(); }
+
+// Writes a deferred routing's perm / seg (one launch of the one-block routing kernel); nothing when already written.
+void ensure_routed(const Routing& r) {
+  if (!r.pending.defined()) return;
+  KernelArgs a;
+  a.ptr(mask_arg(r)).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad);
+  launch_on_current_stream("routing_one_block_kernel",
+                           make_key({{"align", align_str(r)}, {"block", std::to_string(one_block_size(r.M))}}), a,
+                           grid(1), r.perm);
+  r.pending = at::Tensor();
+}
+
+}  // namespace
+
 Routing route(const at::Tensor& mask, bool aligned) {
   Routing r;
   at::Tensor m = mask.reshape({-1}).contiguous();
@@ -104,14 +127,8 @@ Routing route(const at::Tensor& mask, bool aligned) {
   const auto iopt = m.options().dtype(at::kInt);
   r.perm = at::empty({r.M_pad}, iopt);
   r.seg = at::empty({5}, iopt);
-  if (r.M <= kOneBlock) {  // one launch: count and scatter in one program (a small one for decode steps)
-    const void* mp = r.M > 0 ? m.data_ptr() : r.perm.data_ptr();  // M = 0: loads are masked, any valid pointer
-    const int64_t block = r.M <= kOneBlockSmall ? kOneBlockSmall : r.M <= kOneBlockMid ? kOneBlockMid : kOneBlock;
-    KernelArgs a;
-    a.ptr(mp).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad);
-    launch_on_current_stream("routing_one_block_kernel",
-                             make_key({{"align", align_str(r)}, {"block", std::to_string(block)}}), a, grid(1),
-                             r.perm);
+  if (one_block_size(r.M) > 0) {  // one program routes it: deferred to the first kernel that reads perm / seg
+    r.pending = m;
     return r;
   }
   const int64_t nb = cdiv(r.M, kChunk);
@@ -245,6 +262,7 @@ static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums mu
 at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& colsum,
                          const at::Tensor& into) {
   check_rows(r, tokens(src), src.size(1), "gather source");
+  ensure_routed(r);
   const int64_t C = src.size(1), rows = r.rows();
   at::Tensor dst;
   if (into.defined()) {
@@ -308,21 +326,27 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   KernelArgs args;
   if (tma && !a.expert_ordered && !r.single && !out.expert_ordered && !w_transposed) {
     // Token-order A into scattered rows (the linear_dual forward): gathering A's rows inside the GEMM saves the
-    // [M_pad, K] gather copy where the table says it is faster (aot/configs/sm90.json; docs/perf.md).
+    // [M_pad, K] gather copy where the table says it is faster (aot/configs/sm90.json; docs/perf.md). It also routes
+    // a deferred routing itself (ROUTE_BLOCK, in the key as "route"; 0: perm / seg are written already).
     const KernelConfig* c = find_config("routed_linear_gather_tma_kernel", family(g), g.cc, r.M);
     if (c && !config_off(*c)) {
+      const int64_t route = r.pending.defined() ? one_block_size(r.M) : 0;
       const Experts::Stacked& st = w.stacked();
       args.ptr(a.t.data_ptr())
           .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
           .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+          .ptr(route ? mask_arg(r) : r.perm.data_ptr()).i32(r.M)
           .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(out.t.stride(0));
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(n, c->block[1]);
       launch_on_current_stream("routed_linear_gather_tma_kernel",
-                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(has_bias)}, {"cfg", c->cfg}}),
+                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(has_bias)}, {"cfg", c->cfg},
+                                         {"route", std::to_string(route)}, {"align", align_str(r)}}),
                                args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
+      r.pending = at::Tensor();
       return;
     }
   }
+  ensure_routed(r);
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a);
     const KernelConfig& c = config(g, "routed_linear_tma_kernel", r.M);
@@ -355,23 +379,29 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
   check_rows(r, ordered(h), I, "h");
   KernelArgs args;
   if (tma && !a.expert_ordered && !r.single) {
-    // Token-order x: gather its rows inside the GEMM where the table says that beats the gather copy (as in linear).
+    // Token-order x: gather its rows inside the GEMM where the table says that beats the gather copy, and route a
+    // deferred routing there (as in linear).
     const KernelConfig* c = find_config("routed_swiglu_gather_tma_kernel", family(g), g.cc, r.M);
     if (c && !config_off(*c)) {
+      const int64_t route = r.pending.defined() ? one_block_size(r.M) : 0;
       const Experts::Stacked& s1 = w1.stacked();
       const Experts::Stacked& s3 = w3.stacked();
       args.ptr(a.t.data_ptr())
           .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
           .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
           .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+          .ptr(route ? mask_arg(r) : r.perm.data_ptr()).i32(r.M)
           .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0));
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(I, c->block[1]);
       launch_on_current_stream("routed_swiglu_gather_tma_kernel",
-                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c->cfg}}), args,
-                               grid(std::min<int64_t>(g.sms, tiles)), h);
+                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c->cfg},
+                                         {"route", std::to_string(route)}, {"align", align_str(r)}}),
+                               args, grid(std::min<int64_t>(g.sms, tiles)), h);
+      r.pending = at::Tensor();
       return;
     }
   }
+  ensure_routed(r);
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a, gather_into);
     const Experts::Stacked& s1 = w1.stacked();
@@ -424,6 +454,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
                  const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma) {
   TORCH_INTERNAL_ASSERT(dy.expert_ordered == x.expert_ordered && r.aligned);
+  ensure_routed(r);
   const int64_t N = dw0.size(0), K = dw0.size(1);
   TORCH_INTERNAL_ASSERT(N > 0 && K > 0, "routed GEMM: grad_weight needs N, K > 0 (bias gradients come from K tiles)");
   check_rows(r, dy, N, "dy");

@@ -48,16 +48,22 @@ constexpr int64_t kSingleBlock = 1024;  // kernels/routing.py SINGLE_BLOCK
 // padding rows (expert-ordered buffers have M rows); only the persistent TMA kernels whose outputs are h or scattered
 // rows take it (the ffn forward): not the pointer kernels, not a whole-segment expert-ordered output, not the
 // grad-weight.
+//
+// A routing of M <= kOneBlock rows is deferred to the first kernel that reads it: until then perm and seg are
+// allocated but unwritten and `pending` holds the mask. The token-order gather GEMMs (the linear_dual forward, the ffn
+// decode gate/up) route it in their own programs, one launch fewer; every other launcher first launches the routing
+// kernel. A launcher that consumes it clears `pending` (mutable: the state of the device buffers, not of the routing).
 struct Routing {
   at::Tensor perm, seg;
   int64_t M = 0, M_pad = 0;
   bool single = false;  // one expert: every row is expert 0, seg[4] == 0
   bool aligned = true;
+  mutable at::Tensor pending;  // bool [M] contiguous while perm / seg are unwritten
   int64_t rows() const { return aligned ? M_pad : M; }  // rows of an expert-ordered buffer
 };
 
-// Two experts from a bool mask [M] (any shape; flattened) on the device: one routing kernel for M <= kOneBlock, else
-// two (count, scatter); no host sync.
+// Two experts from a bool mask [M] (any shape; flattened) on the device: one routing kernel for M <= kOneBlock
+// (deferred, see Routing), else two (count, scatter); no host sync.
 Routing route(const at::Tensor& mask, bool aligned = true);
 // One expert: perm = [0, 1, .., M-1, -1, ..] and seg = [0, end, end, M, 0], end = roundup(M, kAlign) (aligned) or
 // M, written by one launch of routing_single_kernel (no host sync); M_pad = max(end, kAlign), or M + kRowTail.
