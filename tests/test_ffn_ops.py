@@ -306,6 +306,22 @@ def test_realistic_bf16(gpu_device, mask_kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 17, 64, 65, 4096, 4097])
+def test_routing_sizes(gpu_device, M):
+    """Token counts on both sides of the routing and config sizes: up to 64 rows the dual gate/up gathers x inside and
+    routes the mask in its own programs (sm_90 table), above that x is gathered first and the routing kernel runs
+    before (one block up to 4096 rows, two kernels above). bf16, a fresh random mask, NaN-poisoned allocator,
+    forward and every gradient."""
+    H, I = 128, 96  # noqa: E741
+    x = strided_view((M,), H, torch.bfloat16, gpu_device)
+    mask = make_mask("random", (M,), gpu_device)
+    w = make_weights(H, I, torch.bfloat16, gpu_device, dual=True)
+    poison_allocator(gpu_device, 8 * M * max(H, I) * 2)
+    out, ref = run_and_check_grads(x, w, mask, TOL[torch.bfloat16])
+    check_out(out, ref, (M, H), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=DT_ID.get)
 def test_realistic_leading_shape(gpu_device, dtype):
     """[b, s] = [3, 333] tokens (M = 999), H = 1001, I = 1398 (rows not a multiple of 16 bytes: pointer kernels),

@@ -289,6 +289,22 @@ def test_realistic_bf16(gpu_device, mask_kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 64, 65, 1024, 1025, 4096, 4097])
+def test_routing_sizes(gpu_device, M):
+    """Token counts on both sides of each routing size (csrc/ops/routed_gemm.cpp): up to 64 / 1024 / 4096 rows the
+    forward GEMM routes the mask in its own programs with a 64- / 1024- / 4096-lane block; above 4096 the two routing
+    kernels run first. bf16 (the TMA kernels on sm_90), a fresh random mask, NaN-poisoned allocator, forward and every
+    gradient (the backward routes again and takes the routing kernel)."""
+    K, N = 128, 96
+    x = strided_view((M,), K, torch.bfloat16, gpu_device)
+    mask = make_mask("random", (M,), gpu_device)
+    wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, gpu_device, "both")
+    poison_allocator(gpu_device, 8 * M * max(N, K) * 2)
+    out, ref = run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[torch.bfloat16])
+    check_out(out, ref, (M, N), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
 def test_realistic_leading_shape(gpu_device, dtype):
     """[b, s] = [3, 700] tokens (M = 2100, not a multiple of 128), K = 999, N = 1030 (rows not a multiple of 16
