@@ -270,35 +270,39 @@ def record_error(errors: list, where: str, exc: BaseException) -> str:
     return msg
 
 
+def _guarded(row: dict, error, where: str, fn: Callable):
+    """(True, fn()) under torch.no_grad(); a failure other than Interrupted goes to row["error"] through
+    error(where, exc) with row["ok"] = False, and gives (False, None)."""
+    import torch
+    try:
+        with torch.no_grad():
+            return True, fn()
+    except Interrupted:
+        raise
+    except Exception as e:  # noqa: BLE001
+        row["error"] = error(where, e)
+        row["ok"] = False
+        return False, None
+
+
 def timed_check(row: dict, label: str, error, fn: Callable, arg_sets, warmup: int, rep: int, check=None,
                 best_of: int = 1) -> bool:
     """One measurement of a results row: row["ms"] = the median time of fn over the rotating arg_sets (bench; the
     lowest of best_of medians), then check() once -> row["err"], row["ok"] (err < ERR_TOL). A failure goes to
     row["error"] through error(where, exc) with row["ok"] = False; only Interrupted propagates. Returns False when
     the timing failed (the caller then fills nothing else)."""
-    import torch
-    try:
-        with torch.no_grad():
-            row["ms"] = min(bench(fn, args=arg_sets, warmup=warmup, rep=rep) for _ in range(best_of))
-    except Interrupted:
-        raise
-    except Exception as e:  # noqa: BLE001
-        row["error"] = error(f"{label} timing", e)
-        row["ok"] = False
+    timed, ms = _guarded(row, error, f"{label} timing",
+                         lambda: min(bench(fn, args=arg_sets, warmup=warmup, rep=rep) for _ in range(best_of)))
+    if not timed:
         return False
+    row["ms"] = ms
     if check is not None:
-        try:
-            with torch.no_grad():
-                err = check()
+        checked, err = _guarded(row, error, f"{label} correctness", check)
+        if checked:
             row["err"] = err
             row["ok"] = bool(err == err and err < ERR_TOL)
             if not row["ok"]:
                 log(f"  !! {label}: WRONG OUTPUT, err={err:.3g} (tol {ERR_TOL})")
-        except Interrupted:
-            raise
-        except Exception as e:  # noqa: BLE001
-            row["error"] = error(f"{label} correctness", e)
-            row["ok"] = False
     return True
 
 
