@@ -104,6 +104,18 @@ int64_t one_block_size(int64_t M) {
 // The mask argument of a routing kernel: M = 0 masks every load, any valid pointer serves.
 const void* mask_arg(const Routing& r) { return r.M > 0 ? r.pending.data_ptr() : r.perm.data_ptr(); }
 
+// For a token-order gather GEMM about to launch: the ROUTE_BLOCK with which it routes a deferred routing in its own
+// programs (kernels/GEMM.md 7b; one_block_size(M), in the key as "route"), 0 when perm / seg are written already, and
+// its mask argument. The caller clears `pending` once the kernel is launched.
+struct RouteHere {
+  int64_t block;
+  const void* mask;
+};
+RouteHere route_here(const Routing& r) {
+  if (!r.pending.defined()) return {0, r.perm.data_ptr()};
+  return {one_block_size(r.M), mask_arg(r)};
+}
+
 // Writes a deferred routing's perm / seg (one launch of the one-block routing kernel); nothing when already written.
 void ensure_routed(const Routing& r) {
   if (!r.pending.defined()) return;
@@ -330,17 +342,17 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     // a deferred routing itself (ROUTE_BLOCK, in the key as "route"; 0: perm / seg are written already).
     const KernelConfig* c = find_config("routed_linear_gather_tma_kernel", family(g), g.cc, r.M);
     if (c && !config_off(*c)) {
-      const int64_t route = r.pending.defined() ? one_block_size(r.M) : 0;
+      const RouteHere here = route_here(r);
       const Experts::Stacked& st = w.stacked();
       args.ptr(a.t.data_ptr())
           .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
           .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-          .ptr(route ? mask_arg(r) : r.perm.data_ptr()).i32(r.M)
+          .ptr(here.mask).i32(r.M)
           .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(out.t.stride(0));
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(n, c->block[1]);
       launch_on_current_stream("routed_linear_gather_tma_kernel",
                                make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(has_bias)}, {"cfg", c->cfg},
-                                         {"route", std::to_string(route)}, {"align", align_str(r)}}),
+                                         {"route", std::to_string(here.block)}, {"align", align_str(r)}}),
                                args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
       r.pending = at::Tensor();
       return;
@@ -383,19 +395,19 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     // deferred routing there (as in linear).
     const KernelConfig* c = find_config("routed_swiglu_gather_tma_kernel", family(g), g.cc, r.M);
     if (c && !config_off(*c)) {
-      const int64_t route = r.pending.defined() ? one_block_size(r.M) : 0;
+      const RouteHere here = route_here(r);
       const Experts::Stacked& s1 = w1.stacked();
       const Experts::Stacked& s3 = w3.stacked();
       args.ptr(a.t.data_ptr())
           .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
           .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
           .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-          .ptr(route ? mask_arg(r) : r.perm.data_ptr()).i32(r.M)
+          .ptr(here.mask).i32(r.M)
           .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0));
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(I, c->block[1]);
       launch_on_current_stream("routed_swiglu_gather_tma_kernel",
                                make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c->cfg},
-                                         {"route", std::to_string(route)}, {"align", align_str(r)}}),
+                                         {"route", std::to_string(here.block)}, {"align", align_str(r)}}),
                                args, grid(std::min<int64_t>(g.sms, tiles)), h);
       r.pending = at::Tensor();
       return;
