@@ -126,7 +126,7 @@ GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ie
 # Row counts: no hint. They only bound rows (no vector access runs along them), and M_pad = M + 128 of an unaligned
 # routing is rarely a multiple of 16: a hint on it would send every such call (one decode token: M_pad = 129) to the
 # generic variant, which loses the hints on the pointers and strides that vectorize the gathers and stores.
-_ROW_COUNTS = {"M", "M_pad", "n_rows"}
+_ROW_COUNTS = {"M", "M_pad", "n_rows", "one_rows"}
 
 
 def _aligned(args) -> Dict[str, object]:
@@ -254,7 +254,7 @@ def _gemm_variants() -> List[Variant]:
                 wblock = f"1, {bk}, {bn}" if wt else f"1, {bn}, {bk}"
                 args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w_desc", f"tensordesc<{dt}[{wblock}]>"),
                         ("bias0_ptr", p), ("bias1_ptr", p), ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"),
-                        ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_om", "i32")]
+                        ("one_rows", "i32"), ("N", "i32"), ("K", "i32"), ("stride_om", "i32")]
                 meta = _persistent_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
                 out += _both("kernels.gemm:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
                              args, meta, cfg, archs)
@@ -303,7 +303,7 @@ def _gemm_variants() -> List[Variant]:
             bm, bn, bk = cfg["block"]
             args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w1_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
                     ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
-                    ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32")]
+                    ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32")]
             meta = _persistent_meta(cfg, prec, SCATTER_OUT=False)
             out += _both("kernels.gemm:routed_swiglu_tma_kernel", dict(base, scatter=0), args, meta, cfg, archs)
 
@@ -311,7 +311,7 @@ def _gemm_variants() -> List[Variant]:
         for cfg, archs in configs("routed_swiglu_pair_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w13_desc", f"tensordesc<{dt}[2, 1, {bn}, {bk}]>"),
-                    ("h_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"),
+                    ("h_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"),
                     ("K", "i32"), ("stride_hm", "i32"), ("up_first", "i32")]
             out += _both("kernels.gemm:routed_swiglu_pair_tma_kernel", dict(base), args, _persistent_meta(cfg, prec),
                          cfg, archs)

@@ -71,6 +71,22 @@ def _row_tiles(seg_ptr, BLOCK_M: tl.constexpr, WHOLE_SEGMENTS: tl.constexpr):
 
 
 @triton.jit
+def _walk_tiles(seg_ptr, one_rows, BLOCK_M: tl.constexpr, WHOLE_SEGMENTS: tl.constexpr):
+    """_row_tiles, or with one_rows > 0 those of one expert whose rows are [0, one_rows) in token order (the
+    single-expert forward, which allocates no perm or seg: neither is read, and with SCATTER_OUT = False the output
+    rows below one_rows are written in place). A scalar branch at the start of each program."""
+    if one_rows > 0:
+        start1 = one_rows
+        t0 = tl.cdiv(one_rows, BLOCK_M)
+        num_pid_m = t0
+        hi0 = one_rows
+        hi1 = one_rows
+    else:
+        start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, WHOLE_SEGMENTS)
+    return start1, t0, num_pid_m, hi0, hi1
+
+
+@triton.jit
 def _routed_row_tiles(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr,
                       ALIGN: tl.constexpr):
     """_row_tiles of the tiles that hold rows. ROUTE_BLOCK > 0 (M <= ROUTE_BLOCK): the kernel routes the mask itself,
@@ -333,7 +349,7 @@ def _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED: tl.constexp
 
 @triton.jit
 def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr,
-                             seg_ptr, M_pad, N, K, stride_om,
+                             seg_ptr, one_rows, N, K, stride_om,
                              HAS_BIAS: tl.constexpr, SCATTER_OUT: tl.constexpr,
                              W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -342,11 +358,12 @@ def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm
     """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
     (W_TRANSPOSED: [2, K, N] block [1, BK, BN]).  Persistent over the row tiles of _row_tiles x cdiv(N, BN): with
     SCATTER_OUT only the tiles that hold rows, else every tile below end = seg[2] (an expert-ordered output is written
-    up to end, padding rows included)."""
+    up to end, padding rows included). one_rows > 0 (with SCATTER_OUT = False): one expert, rows in token order, no
+    perm / seg (_walk_tiles)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, SCATTER_OUT == False)  # noqa: E712
+    start1, t0, num_pid_m, hi0, hi1 = _walk_tiles(seg_ptr, one_rows, BLOCK_M, SCATTER_OUT == False)  # noqa: E712
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
         row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
@@ -411,18 +428,18 @@ def _swiglu_step(a, w1_desc, w3_desc, e, n0, k0, acc_g, acc_u, INPUT_PRECISION: 
 
 
 @triton.jit
-def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_hm,
+def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, one_rows, N, K, stride_hm,
                              SCATTER_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr,
                              FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """a_desc: [M_pad, K] block [BM, BK]; w1_desc / w3_desc: stacked [2, N, K] block [1, BN, BK]. Persistent over
     the tiles that hold rows: rows of h past each expert's last row tile are not written (only the down projection
-    reads h, and its padding rows' outputs are not stored)."""
+    reads h, and its padding rows' outputs are not stored). one_rows > 0: one expert, no perm / seg (_walk_tiles)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, False)
+    start1, t0, num_pid_m, hi0, hi1 = _walk_tiles(seg_ptr, one_rows, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
         row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
@@ -438,7 +455,7 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
 
 
 @triton.jit
-def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, M_pad, N, K, stride_hm, up_first,
+def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, one_rows, N, K, stride_hm, up_first,
                                   INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                   FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
@@ -446,11 +463,11 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, M_
     2 x BLOCK_N columns: w13_desc is a rank-4 descriptor [2, E, N, K] over both projections (dimension 0: the two
     weight tensors, at whatever distance they lie in memory; block [2, 1, BN, BK]). up_first = 1 when dimension 0
     holds up before gate (w3 lies below w1 in memory). The accumulator [BM, 2 BN] splits into gate and up in the
-    epilogue."""
+    epilogue. one_rows as in routed_swiglu_tma_kernel."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, False)
+    start1, t0, num_pid_m, hi0, hi1 = _walk_tiles(seg_ptr, one_rows, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
         row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
@@ -613,6 +630,14 @@ def _mask_arg(mask, perm, route_block):
     return (mask.view(torch.int8) if M > 0 else perm), M
 
 
+def _tile_rows_arg(perm, seg, one_rows, out):
+    """(row-tile upper bound as rows, perm, seg) of a persistent TMA launch: one_rows > 0 needs no perm / seg (the
+    kernel reads neither; `out` stands in for the pointers)."""
+    if one_rows:
+        return one_rows, out, out
+    return perm.shape[0], perm, seg
+
+
 def _grid_mn(M_pad, N, BM, BN):
     return ((M_pad // BM) * triton.cdiv(N, BN), )
 
@@ -662,19 +687,22 @@ def launch_expert_colsum(colsum, seg, sum0, sum1, *, ROWS_PER_BLOCK=GATHER_ROWS,
 
 def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, scatter_out=True,
                              w_transposed=False, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
-                             num_programs=None, num_warps=8, num_stages=3, FLATTEN=False):
-    """a_pad [M_pad, K] expert-ordered; w_stacked [2, N, K] (or [2, K, N] when w_transposed)."""
+                             num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, one_rows=0):
+    """a_pad [M_pad, K] expert-ordered; w_stacked [2, N, K] (or [2, K, N] when w_transposed). one_rows > 0: one expert
+    of one_rows rows in token order, perm / seg unused (may be None), scatter_out must be False."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-    M_pad, K = perm.shape[0], a_pad.shape[1]  # a_pad may be x itself for one expert (rows past M read as zeros)
+    assert not (one_rows and scatter_out)
+    M_pad, perm, seg = _tile_rows_arg(perm, seg, one_rows, out)
+    K = a_pad.shape[1]  # a_pad may be x itself for one expert (rows past M read as zeros)
     N = w_stacked.shape[2] if w_transposed else w_stacked.shape[1]
     a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
     w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BK, BN] if w_transposed else [1, BN, BK])
     has_bias = bias0 is not None
     if not has_bias:
         bias0 = bias1 = out
-    tiles = (M_pad // BM) * triton.cdiv(N, BN)
+    tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_linear_tma_kernel[grid](a_desc, w_desc, bias0, bias1, out, perm, seg, M_pad, N, K, out.stride(0),
+    routed_linear_tma_kernel[grid](a_desc, w_desc, bias0, bias1, out, perm, seg, one_rows, N, K, out.stride(0),
                                    HAS_BIAS=has_bias, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                    GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
@@ -707,16 +735,19 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
 
 def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, scatter_out=False,
                              input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None,
-                             num_warps=8, num_stages=3, FLATTEN=False):
+                             num_warps=8, num_stages=3, FLATTEN=False, one_rows=0):
+    """one_rows: as in launch_routed_linear_tma."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-    M_pad, K = perm.shape[0], a_pad.shape[1]  # a_pad may be x itself for one expert (rows past M read as zeros)
+    assert not (one_rows and scatter_out)
+    M_pad, perm, seg = _tile_rows_arg(perm, seg, one_rows, h)
+    K = a_pad.shape[1]  # a_pad may be x itself for one expert (rows past M read as zeros)
     N = w1_stacked.shape[1]
     a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
     w1_desc = TensorDescriptor.from_tensor(w1_stacked, [1, BN, BK])
     w3_desc = TensorDescriptor.from_tensor(w3_stacked, [1, BN, BK])
-    tiles = (M_pad // BM) * triton.cdiv(N, BN)
+    tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_swiglu_tma_kernel[grid](a_desc, w1_desc, w3_desc, h, perm, seg, M_pad, N, K, h.stride(0),
+    routed_swiglu_tma_kernel[grid](a_desc, w1_desc, w3_desc, h, perm, seg, one_rows, N, K, h.stride(0),
                                    SCATTER_OUT=scatter_out, INPUT_PRECISION=input_precision, BLOCK_M=BM,
                                    BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
                                    num_stages=num_stages)
@@ -725,15 +756,17 @@ def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, sca
 
 def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, input_precision="tf32", BM=128,
                                   BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
-                                  FLATTEN=False):
-    """w13 [2, E, N, K]: index 0 of dimension 0 is the gate (w1) unless up_first."""
+                                  FLATTEN=False, one_rows=0):
+    """w13 [2, E, N, K]: index 0 of dimension 0 is the gate (w1) unless up_first. one_rows: as in
+    launch_routed_linear_tma."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-    M_pad, K, N = perm.shape[0], a_pad.shape[1], w13.shape[2]
+    M_pad, perm, seg = _tile_rows_arg(perm, seg, one_rows, h)
+    K, N = a_pad.shape[1], w13.shape[2]
     a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
     w_desc = TensorDescriptor.from_tensor(w13, [2, 1, BN, BK])
-    tiles = (M_pad // BM) * triton.cdiv(N, BN)
+    tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_swiglu_pair_tma_kernel[grid](a_desc, w_desc, h, perm, seg, M_pad, N, K, h.stride(0), int(up_first),
+    routed_swiglu_pair_tma_kernel[grid](a_desc, w_desc, h, perm, seg, one_rows, N, K, h.stride(0), int(up_first),
                                         INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                         GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return h

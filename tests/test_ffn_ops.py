@@ -306,16 +306,19 @@ def test_realistic_bf16(gpu_device, mask_kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16, 17, 64, 65, 4096, 4097])
-def test_routing_sizes(gpu_device, M):
+@pytest.mark.parametrize("M", [1, 16, 17, 64, 65, 128, 4096, 4097])
+@pytest.mark.parametrize("experts", ["dual", "single"])
+def test_routing_sizes(gpu_device, M, experts):
     """Token counts on both sides of the routing and config sizes: up to 64 rows the dual gate/up gathers x inside and
     routes the mask in its own programs (sm_90 table), above that x is gathered first and the routing kernel runs
-    before (one block up to 4096 rows, two kernels above). bf16, a fresh random mask, NaN-poisoned allocator,
-    forward and every gradient."""
+    before (one block up to 4096 rows, two kernels above). The single expert's forward has no routing on sm_90, and
+    its backward reads x and dy in place when M is a multiple of 128 (128, 4096) and gathers them otherwise. bf16, a
+    fresh random mask, NaN-poisoned allocator, forward and every gradient."""
     H, I = 128, 96  # noqa: E741
+    dual = experts == "dual"
     x = strided_view((M,), H, torch.bfloat16, gpu_device)
-    mask = make_mask("random", (M,), gpu_device)
-    w = make_weights(H, I, torch.bfloat16, gpu_device, dual=True)
+    mask = make_mask("random", (M,), gpu_device) if dual else None
+    w = make_weights(H, I, torch.bfloat16, gpu_device, dual=dual)
     poison_allocator(gpu_device, 8 * M * max(H, I) * 2)
     out, ref = run_and_check_grads(x, w, mask, TOL[torch.bfloat16])
     check_out(out, ref, (M, H), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
@@ -353,8 +356,9 @@ def test_pointer_kernels_forced(gpu_device, dual, dtype, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_kind", ["single", "random", "vision90", "all_true"])
 def test_forward_peak_memory(gpu_device, mask_kind):
-    """The forward's peak extra memory (docs/design.md): on the TMA path (sm_90) one [M, I] intermediate plus the
-    routing's perm / seg, whether x's rows are gathered (dual expert: into the output's storage) or not. M = 1000
+    """The forward's peak extra memory (docs/design.md): on the TMA path (sm_90) one [M, I] intermediate plus, for the
+    dual expert, the routing's perm / seg, whether x's rows are gathered (into the output's storage) or not; the
+    single expert allocates h and nothing else (no routing). M = 1000
     (not a multiple of the 128-row tiles, so row tiles straddle the experts of an unaligned routing); the output is
     checked too."""
     if torch.cuda.get_device_capability(gpu_device) != (9, 0):
@@ -381,8 +385,8 @@ def test_forward_peak_memory(gpu_device, mask_kind):
 
     def block(n):  # the caching allocator's granularity
         return -(-n // 512) * 512
-    bound = block(M * I * 2) + block(4 * (M + 128)) + block(4 * 5)
-    assert extra <= bound, f"peak extra {extra} B > {bound} B (h [M, I] = {M * I * 2} B + perm / seg)"
+    bound = block(M * I * 2) + (block(4 * (M + 128)) + block(4 * 5) if dual else 0)
+    assert extra <= bound, f"peak extra {extra} B > {bound} B (h [M, I] = {M * I * 2} B, + perm / seg if dual)"
     check_out(out, ffn_reference(x, *op_args(w, mask)), (M, H), dtype, gpu_device, TOL[dtype])
 
 

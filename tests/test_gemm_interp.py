@@ -345,6 +345,33 @@ def test_swiglu_pair_tma(dtype, up_first):
     assert rel_err(h[valid], ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[valid].long()]) < 3 * TOL[dtype]
 
 
+@pytest.mark.parametrize("M", [1, 37])
+@pytest.mark.parametrize("gate_up", ["pair", "two_mma"])
+def test_single_expert_without_routing(M, gate_up):
+    """one_rows = M: the single-expert forward with no perm / seg at all (None here; the kernels read neither). x is
+    read in place, h and out are written in token order, exactly their M rows (the poisoned rows after them stay
+    untouched)."""
+    H, I, N = 40, 24, 32  # noqa: E741
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(23)
+    x = rnd(gen, M, H, dtype=dtype)
+    w1, w3, w2 = rnd(gen, 1, I, H, dtype=dtype), rnd(gen, 1, I, H, dtype=dtype), rnd(gen, 1, N, I, dtype=dtype)
+    h_all = torch.full((M + 16, I), float("nan"), dtype=dtype)
+    h = h_all[:M]
+    if gate_up == "pair":
+        gemm.launch_routed_swiglu_pair_tma(x, torch.stack([w1, w3]), h, None, None, input_precision="ieee",
+                                           num_programs=3, one_rows=M, **T)
+    else:
+        gemm.launch_routed_swiglu_tma(x, w1, w3, h, None, None, input_precision="ieee", num_programs=3, one_rows=M,
+                                      **T)
+    href = ref_swiglu_h(x, w1[0], w1[0], w3[0], w3[0], torch.zeros(M, dtype=torch.bool))
+    assert rel_err(h, href) < TOL[dtype] and torch.isnan(h_all[M:]).all()
+    out_all = torch.full((M + 16, N), float("nan"), dtype=dtype)
+    gemm.launch_routed_linear_tma(h, w2, None, None, out_all[:M], None, None, scatter_out=False,
+                                  input_precision="ieee", num_programs=3, one_rows=M, **T)
+    assert rel_err(out_all[:M], href @ w2[0].double().T) < TOL[dtype] and torch.isnan(out_all[M:]).all()
+
+
 def test_tma_m0():
     N, K = 24, 40
     gen = torch.Generator().manual_seed(9)

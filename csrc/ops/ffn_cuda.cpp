@@ -7,7 +7,8 @@
 //   gathered before the gate/up GEMM (dual expert above the decode sizes; docs/perf.md), they go into out's storage:
 //   out [M, H] is written only by the down projection, after the gate/up GEMM has read them (stream order; with
 //   programmatic dependent launch, the down kernel's griddepcontrol.wait). Peak extra memory: M * I elements plus
-//   perm / seg (4 bytes per token).
+//   perm / seg (4 bytes per token). A single expert whose x TMA reads in place has no routing (route_identity): h
+//   is the only allocation.
 //   Pointer kernels otherwise (x gathered through perm inside the swiglu kernel; h [M_pad, I] on the aligned
 //   routing they need).
 //
@@ -84,13 +85,17 @@ at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS) {
 
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
   const bool tma = g.tma_usable({geo.H, geo.I}, /*swiglu=*/true);
-  const routed::Routing r =
-      geo.dual ? routed::route(*mask, /*aligned=*/!tma) : routed::route_single(geo.M, x, /*aligned=*/!tma);
+  const at::Tensor xr = as_rows(x);
+  // A single expert on the TMA path whose x TMA reads in place needs no routing at all: h is then the forward's only
+  // allocation.
+  const routed::Routing r = geo.dual                              ? routed::route(*mask, /*aligned=*/!tma)
+                            : (tma && routed::tma_in_place(xr)) ? routed::route_identity(geo.M)
+                                                                : routed::route_single(geo.M, x, /*aligned=*/!tma);
   Projections p = projections(geo, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
   // Rows of h that belong to no token (padding of an aligned routing) are never written, and the down projection
   // does not store what it computes from them: no initialization needed.
   at::Tensor h = at::empty({r.rows(), geo.I}, x.options());
-  routed::swiglu(g, r, routed::tokens(as_rows(x)), p.gate, p.up, h, tma, /*gather_into=*/out);
+  routed::swiglu(g, r, routed::tokens(xr), p.gate, p.up, h, tma, /*gather_into=*/out);
   routed::linear(g, r, routed::ordered(h), p.down, at::Tensor(), at::Tensor(), routed::tokens(out),
                  /*w_transposed=*/false, tma);
   return out.view(x.sizes());
@@ -130,9 +135,15 @@ std::vector<at::Tensor> ffn_backward_cuda(const at::Tensor& grad_out, const at::
   Projections p = projections(geo, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
   const bool tma = g.tma_usable({geo.H, geo.I}, /*swiglu=*/false);
   const at::Tensor xr = as_rows(x), dyr = as_rows(grad_out);
-  // TMA: expert-ordered operands (gathered once); pointer: token order, rows through perm inside the kernels.
-  const at::Tensor xa = tma ? routed::gather_rows(g, r, xr) : xr;
-  const at::Tensor dya = tma ? routed::gather_rows(g, r, dyr) : dyr;
+  // TMA: expert-ordered operands (gathered once); pointer: token order, rows through perm inside the kernels. A
+  // single expert whose M is a multiple of the routing's ALIGN has no padding rows, so its token order is already
+  // the expert-ordered buffer: x and dy serve in place where TMA can read them there (no gather copies).
+  const bool in_place = tma && !geo.dual && r.M_pad == geo.M;
+  const auto expert_ordered = [&](const at::Tensor& t) {
+    return !tma || (in_place && routed::tma_in_place(t)) ? t : routed::gather_rows(g, r, t);
+  };
+  const at::Tensor xa = expert_ordered(xr);
+  const at::Tensor dya = expert_ordered(dyr);
   const int64_t rows = tma ? r.M_pad : geo.M;
   auto as = [&](const at::Tensor& t) { return routed::Rows{t, tma}; };
   const at::Tensor none;

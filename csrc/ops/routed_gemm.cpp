@@ -177,6 +177,16 @@ Routing route_single(int64_t M, const at::Tensor& like, bool aligned) {
   return r;
 }
 
+Routing route_identity(int64_t M) {
+  Routing r;
+  r.single = true;
+  r.identity = true;
+  r.aligned = false;
+  r.M = M;
+  r.M_pad = M;
+  return r;
+}
+
 // ---------------------------------------------------------------------------------------------------------- context
 Gemm Gemm::make(const at::Tensor& like, bool allow_tf32) {
   Gemm g;
@@ -261,10 +271,24 @@ namespace {
 // when defined).
 at::Tensor tma_rows(const Gemm& g, const Routing& r, const Rows& a, const at::Tensor& into = at::Tensor()) {
   if (a.expert_ordered) return a.t;
-  if (r.single && aligned16(a.t.data_ptr()) && (a.t.stride(0) * a.t.element_size()) % 16 == 0) return a.t;
+  if (r.single && tma_in_place(a.t)) return a.t;
+  TORCH_INTERNAL_ASSERT(!r.identity, "routed GEMM: an identity routing needs operands that TMA reads in place");
   return gather_rows(g, r, a.t, into);
 }
+
+// perm and seg as kernel arguments. An identity routing has neither, and the kernels it serves read neither: the
+// launch's (16-byte aligned) output stands in, so that the aligned variant still serves.
+const void* perm_arg(const Routing& r, const at::Tensor& out) {
+  return r.identity ? out.data_ptr() : r.perm.data_ptr();
+}
+const void* seg_arg(const Routing& r, const at::Tensor& out) { return r.identity ? out.data_ptr() : r.seg.data_ptr(); }
+// The persistent TMA kernels' one_rows argument (kernels/gemm.py _walk_tiles): M for an identity routing, else 0.
+int32_t one_rows(const Routing& r) { return r.identity ? static_cast<int32_t>(r.M) : 0; }
 }  // namespace
+
+bool tma_in_place(const at::Tensor& t) {
+  return aligned16(t.data_ptr()) && (t.stride(0) * t.element_size()) % 16 == 0;
+}
 
 namespace {
 // gather_rows_kernel's BLOCK_R (kernels/gemm.py GATHER_ROWS, in the key as "rows"); divides kAlign.
@@ -274,6 +298,7 @@ static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums mu
 at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& colsum,
                          const at::Tensor& into) {
   check_rows(r, tokens(src), src.size(1), "gather source");
+  TORCH_INTERNAL_ASSERT(!r.identity, "routed GEMM: an identity routing has no perm to gather through");
   ensure_routed(r);
   const int64_t C = src.size(1), rows = r.rows();
   at::Tensor dst;
@@ -327,14 +352,16 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   // An unaligned routing's tiles straddle the experts: only the TMA kernels that write their own expert's rows
   // (scattered outputs) take it, not the whole-segment expert-ordered outputs nor the pointer kernels.
   TORCH_INTERNAL_ASSERT(r.aligned || (tma && !out.expert_ordered), "routed GEMM: linear needs an aligned routing here");
+  TORCH_INTERNAL_ASSERT(!r.identity || (tma && !w_transposed), "routed GEMM: an identity routing serves the forward "
+                                                               "TMA kernel only");
   const bool has_bias = bias0.defined();
   TORCH_INTERNAL_ASSERT(has_bias == bias1.defined() && !(has_bias && w_transposed));
   if (has_bias)
     TORCH_INTERNAL_ASSERT(bias0.numel() == n && bias1.numel() == n && (n <= 1 || (bias0.stride(0) == 1 &&
                                                                                    bias1.stride(0) == 1)));
   // Unused pointer arguments get the (16-byte aligned) perm so that they never block the aligned variant.
-  const void* b0 = has_bias ? bias0.data_ptr() : r.perm.data_ptr();
-  const void* b1 = has_bias ? bias1.data_ptr() : r.perm.data_ptr();
+  const void* b0 = has_bias ? bias0.data_ptr() : perm_arg(r, out.t);
+  const void* b1 = has_bias ? bias1.data_ptr() : perm_arg(r, out.t);
   KernelArgs args;
   if (tma && !a.expert_ordered && !r.single && !out.expert_ordered && !w_transposed) {
     // Token-order A into scattered rows (the linear_dual forward): gathering A's rows inside the GEMM saves the
@@ -365,13 +392,15 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     const Experts::Stacked& st = w.stacked();
     args.tensor(ap.data_ptr(), {ap.size(0), k}, {ap.stride(0), 1})
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
-        .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-        .i32(r.M_pad).i32(n).i32(k).i32(out.t.stride(0));
+        .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(perm_arg(r, out.t)).ptr(seg_arg(r, out.t))
+        .i32(one_rows(r)).i32(n).i32(k).i32(out.t.stride(0));
     const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(n, c.block[1]);  // persistent: any grid >= 1 covers all
-    launch_on_current_stream("routed_linear_tma_kernel",
-                             linear_tma_key(g, !out.expert_ordered, w_transposed, has_bias, c),
+    // An identity routing's token order is its expert order: its rows are written in place, not scattered.
+    const bool scatter = !out.expert_ordered && !r.identity;
+    launch_on_current_stream("routed_linear_tma_kernel", linear_tma_key(g, scatter, w_transposed, has_bias, c),
                              args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
   } else {
+    TORCH_INTERNAL_ASSERT(!r.identity);
     const KernelConfig& c = config(g, "routed_linear_kernel", r.M);
     args.ptr(a.t.data_ptr()).ptr(w.w0().data_ptr()).ptr(w.w1().data_ptr()).ptr(b0).ptr(b1).ptr(out.t.data_ptr())
         .ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
@@ -431,8 +460,8 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
       args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
           .tensor(up_first ? s3.base : s1.base, {2, s1.experts, I, H},
                   {static_cast<int64_t>(adist) / es, s1.stride_e, s1.ld, 1})
-          .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-          .i32(r.M_pad).i32(I).i32(H).i32(h.stride(0)).i32(up_first ? 1 : 0);
+          .ptr(h.data_ptr()).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
+          .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(up_first ? 1 : 0);
       const int64_t tiles = max_row_tiles(r, pc->block[0]) * cdiv(I, pc->block[1]);
       launch_on_current_stream("routed_swiglu_pair_tma_kernel",
                                make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", pc->cfg}}), args,
@@ -443,13 +472,14 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
         .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
         .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
-        .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-        .i32(r.M_pad).i32(I).i32(H).i32(h.stride(0));
+        .ptr(h.data_ptr()).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
+        .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0));
     const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(I, c.block[1]);
     launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g, c), args,
                              grid(std::min<int64_t>(g.sms, tiles)), h);
   } else {
-    TORCH_INTERNAL_ASSERT(!a.expert_ordered, "routed GEMM: the pointer swiglu is compiled for token-order x only");
+    TORCH_INTERNAL_ASSERT(!a.expert_ordered && !r.identity,
+                          "routed GEMM: the pointer swiglu is compiled for token-order x and a routing with perm only");
     if (w1.ld() != w3.ld()) {  // the kernel takes one row stride for all four weights
       w1.make_contiguous();
       w3.make_contiguous();
@@ -465,7 +495,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
 
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
                  const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma) {
-  TORCH_INTERNAL_ASSERT(dy.expert_ordered == x.expert_ordered && r.aligned);
+  TORCH_INTERNAL_ASSERT(dy.expert_ordered == x.expert_ordered && r.aligned && !r.identity);
   ensure_routed(r);
   const int64_t N = dw0.size(0), K = dw0.size(1);
   TORCH_INTERNAL_ASSERT(N > 0 && K > 0, "routed GEMM: grad_weight needs N, K > 0 (bias gradients come from K tiles)");

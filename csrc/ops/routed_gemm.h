@@ -58,6 +58,7 @@ struct Routing {
   int64_t M = 0, M_pad = 0;
   bool single = false;  // one expert: every row is expert 0, seg[4] == 0
   bool aligned = true;
+  bool identity = false;  // route_identity: no perm / seg at all (undefined tensors)
   mutable at::Tensor pending;  // bool [M] contiguous while perm / seg are unwritten
   int64_t rows() const { return aligned ? M_pad : M; }  // rows of an expert-ordered buffer
 };
@@ -68,6 +69,11 @@ Routing route(const at::Tensor& mask, bool aligned = true);
 // One expert: perm = [0, 1, .., M-1, -1, ..] and seg = [0, end, end, M, 0], end = roundup(M, kAlign) (aligned) or
 // M, written by one launch of routing_single_kernel (no host sync); M_pad = max(end, kAlign), or M + kRowTail.
 Routing route_single(int64_t M, const at::Tensor& like, bool aligned = true);
+// One expert whose rows stay in token order, with no perm / seg at all: the single-expert forward on the TMA path
+// (nothing allocated, nothing launched). Its persistent TMA kernels walk rows [0, M) (the `one_rows` argument; they
+// read neither perm nor seg) and write token-order outputs in place. Only swiglu and linear with tma take it, with
+// token-order operands that TMA addresses in place (tma_in_place); M_pad = M.
+Routing route_identity(int64_t M);
 
 // Per-op launch context: dtype, precision and device (compute capability, SM count).
 struct Gemm {
@@ -116,6 +122,9 @@ class Experts {
   int64_t ld_;
   std::optional<Stacked> st_;
 };
+
+// Whether TMA can read the rows of `t` ([M, C], unit inner stride) where they are: 16-byte aligned base and row stride.
+bool tma_in_place(const at::Tensor& t);
 
 // A row operand or result of a routed GEMM: in token order ([M, C], rows through perm) or an expert-ordered
 // buffer ([Routing::rows(), C], row r belongs to perm[r]). The last dimension must have unit stride.
