@@ -1,7 +1,7 @@
 // CUDA implementation of ffn on the routed GEMM core (csrc/ops/routed_gemm.h).
 //
-// Forward: route (mask: the routing kernels; single expert: perm = arange) -> h = routed_swiglu(x) into an
-//   expert-ordered buffer -> out = routed_linear(h, w2) scattered back.
+// Forward: route (mask: the routing kernels; single expert: none on the TMA path, else perm = arange) ->
+//   h = routed_swiglu(x) into an expert-ordered buffer -> out = routed_linear(h, w2) scattered back.
 //   TMA (sm_90, H and I multiples of 16 bytes, a TMA swiglu for the dtype/precision): an unaligned routing (no
 //   padding rows), so h is exactly [M, I], the only buffer of the size of the intermediate. Where x's rows are
 //   gathered before the gate/up GEMM (dual expert above the decode sizes; docs/perf.md), they go into out's storage:
