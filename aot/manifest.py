@@ -186,16 +186,17 @@ def _gemm_variants() -> List[Variant]:
     # The gather's rows per program, from kernels/gemm.py as its Python launchers use it; in the keys ("rows=32"), so
     # that a C++ launcher whose grid assumes another value fails with "no compiled variant" instead of gathering the
     # wrong rows.
-    from kernels.gemm import GATHER_ROWS
+    from kernels.gemm import GATHER_COLS, GATHER_ROWS
     out = []
     for dt in DTYPES:  # gather_rows: a copy (colsum=1: with per-block column sums), no precision, not configurable
         args = [("src_ptr", f"*{dt}"), ("dst_ptr", f"*{dt}"), ("perm_ptr", "*i32"), ("colsum_ptr", "*fp32"),
                 ("M_pad", "i32"), ("C", "i32"), ("stride_src", "i32"), ("stride_dst", "i32")]
         for colsum in (0, 1):
+            cols, warps = GATHER_COLS[bool(colsum)]  # in the key too: the C++ grid divides C by it
             for spec in (_aligned(args), {}):
-                key = {"dtype": dt, "colsum": colsum, "rows": GATHER_ROWS}
+                key = {"dtype": dt, "colsum": colsum, "rows": GATHER_ROWS, "cols": cols}
                 out.append(Variant("kernels.gemm:gather_rows_kernel", key, args,
-                                   {"COLSUM": bool(colsum), "BLOCK_R": GATHER_ROWS, "BLOCK_C": 128}, spec, 4, 1,
+                                   {"COLSUM": bool(colsum), "BLOCK_R": GATHER_ROWS, "BLOCK_C": cols}, spec, warps, 1,
                                    ARCHS))
         # expert_colsum: the second pass of the bias gradients (the per-expert sums of gather_rows' colsum).
         args = [("colsum_ptr", "*fp32"), ("seg_ptr", "*i32"), ("sum0_ptr", f"*{dt}"), ("sum1_ptr", f"*{dt}"),

@@ -487,6 +487,24 @@ def test_gather_rows_colsum(dtype, kind):
             assert rel_err(out, ref) < TOL[dtype]
 
 
+def test_gather_rows_colsum_shipped_block():
+    """The shipped gather shapes (GATHER_ROWS x GATHER_COLS, with and without COLSUM) on an ALIGN = 128 routing:
+    the gathered rows equal x[perm] (zero rows at padding), the column sums those of each 32-row block."""
+    M, C = 150, 40
+    gen = torch.Generator().manual_seed(29)
+    x = rnd(gen, M, C)
+    perm, _ = route(make_mask("random", M, gen), align=128)
+    ref = torch.where((perm >= 0)[:, None], x[perm.clamp(min=0).long()], torch.zeros(()))
+    plain = torch.full((perm.shape[0], C), float("nan"))
+    gemm.launch_gather_rows(x, plain, perm)
+    assert torch.equal(plain, ref)
+    got = torch.full_like(plain, float("nan"))
+    colsum = torch.full((perm.shape[0] // gemm.GATHER_ROWS, C), float("nan"))
+    gemm.launch_gather_rows(x, got, perm, colsum=colsum)
+    assert torch.equal(got, ref)
+    assert rel_err(colsum, ref.double().view(-1, gemm.GATHER_ROWS, C).sum(1)) < 1e-6
+
+
 # ------------------------------------------------------------------------- every shipped config (aot/configs/*.json)
 def _shipped_configs():
     """Distinct (kernel, family, block, group) of every table: warps and stages do not change the interpreter's

@@ -293,6 +293,8 @@ bool tma_in_place(const at::Tensor& t) {
 namespace {
 // gather_rows_kernel's BLOCK_R (kernels/gemm.py GATHER_ROWS, in the key as "rows"); divides kAlign.
 constexpr int64_t kGatherRows = 32;
+// Its BLOCK_C without / with the column sums (kernels/gemm.py GATHER_COLS, in the key as "cols").
+constexpr int64_t kGatherCols = 128, kGatherColsColsum = 1024;
 static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums must not mix experts");
 
 at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& colsum,
@@ -313,10 +315,11 @@ at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src,
   a.ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr())
       .ptr(colsum.defined() ? colsum.data_ptr() : r.perm.data_ptr())
       .i32(rows).i32(C).i32(src.stride(0)).i32(dst.stride(0));
+  const int64_t cols = colsum.defined() ? kGatherColsColsum : kGatherCols;
   launch_on_current_stream("gather_rows_kernel",
                            make_key({{"dtype", g.dt}, {"colsum", flag(colsum.defined())},
-                                     {"rows", std::to_string(kGatherRows)}}),
-                           a, grid(cdiv(rows, kGatherRows), cdiv(C, 128)), dst);  // BLOCK_C = 128
+                                     {"rows", std::to_string(kGatherRows)}, {"cols", std::to_string(cols)}}),
+                           a, grid(cdiv(rows, kGatherRows), cdiv(C, cols)), dst);
   return dst;
 }
 }  // namespace
