@@ -19,7 +19,8 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
   value comes from.
 * `"off": true` (only for kernels that are an alternative design, OPTIONAL below): the kernel is not used for the
   bucket's m, and the launcher takes the other design (for routed_{linear,swiglu}_gather_tma_kernel: a gather copy,
-  then routed_{linear,swiglu}_tma_kernel; for routed_swiglu_pair_tma_kernel: routed_swiglu_tma_kernel). A family
+  then routed_{linear,swiglu}_tma_kernel; for routed_swiglu_pair_tma_kernel: routed_swiglu_tma_kernel; for
+  routed_swiglu_pair_bwd_tma_kernel: two routed_linear_tma_kernel GEMMs and swiglu_backward_kernel). A family
   without entries for such a kernel also takes the other design.
 
 aot/manifest.py compiles every distinct config of every table (a variant per config, for the architectures whose
@@ -50,13 +51,16 @@ KERNELS = {
     "routed_swiglu_gather_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
     # the gate/up GEMM with both weights through one rank-4 descriptor and one MMA of 2 x BLOCK_N columns
     "routed_swiglu_pair_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
+    # its backward twin: the ffn backward's gate/up recompute with the SwiGLU backward in the epilogue
+    "routed_swiglu_pair_bwd_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
 }
 # kernels whose buckets may be "off": an alternative design (gather inside the GEMM instead of a gather copy; gate
 # and up in one MMA instead of two), which the launcher takes only where its table says so
-OPTIONAL = {"routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel"}
+OPTIONAL = {"routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel",
+            "routed_swiglu_pair_bwd_tma_kernel"}
 # the persistent TMA GEMMs, whose tile loop may be flattened into the K loop ("flatten": true; tl.range(flatten=True))
 PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_linear_gather_tma_kernel",
-              "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel"}
+              "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
 _ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "flatten", "why", "off"}
 
 

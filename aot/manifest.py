@@ -316,6 +316,16 @@ def _gemm_variants() -> List[Variant]:
                     ("K", "i32"), ("stride_hm", "i32"), ("up_first", "i32")]
             out += _both("kernels.gemm:routed_swiglu_pair_tma_kernel", dict(base), args, _persistent_meta(cfg, prec),
                          cfg, archs)
+
+        # routed_swiglu_pair_bwd_tma_kernel (sm_90): its backward twin (the ffn backward's gate/up recompute with the
+        # SwiGLU backward in the epilogue).
+        for cfg, archs in configs("routed_swiglu_pair_bwd_tma_kernel", fam):
+            bm, bn, bk = cfg["block"]
+            args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w13_desc", f"tensordesc<{dt}[2, 1, {bn}, {bk}]>"),
+                    ("h_ptr", p), ("dup_ptr", p), ("dgate_ptr", p), ("seg_ptr", "*i32"), ("N", "i32"), ("K", "i32"),
+                    ("stride_hm", "i32"), ("up_first", "i32")]
+            out += _both("kernels.gemm:routed_swiglu_pair_bwd_tma_kernel", dict(base), args,
+                         _persistent_meta(cfg, prec), cfg, archs)
     return out
 
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kernels.pdl import grid_dependency_sync
 from kernels.routing import route_one_block
+from kernels.swiglu_backward import swiglu_grads
 
 # Rows per program of gather_rows_kernel (the AOT manifest compiles this value and puts it in the keys as "rows";
 # csrc/ops/routed_gemm.cpp's kGatherRows must match). It divides the routing ALIGN, so a block of the gather's column
@@ -478,15 +479,55 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, on
         row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
         n0 = pid_n * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = a_desc.load([row0, k0])
-            b = w13_desc.load([0, e, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
-        first, second = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1))
-        g = tl.where(up_first != 0, second, first)
-        u = tl.where(up_first != 0, first, second)
+        g, u = _pair_gate_up(a_desc, w13_desc, e, row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
+
+
+@triton.jit
+def _pair_gate_up(a_desc, w13_desc, e, row0, n0, K, up_first, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile's gate and up pre-activations (fp32 [BM, BN] each) from one MMA of 2 x BLOCK_N columns over K."""
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([row0, k0])
+        b = w13_desc.load([0, e, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K)
+        acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+    first, second = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1))
+    g = tl.where(up_first != 0, second, first)
+    u = tl.where(up_first != 0, first, second)
+    return g, u
+
+
+@triton.jit
+def routed_swiglu_pair_bwd_tma_kernel(a_desc, w13_desc, h_ptr, dup_ptr, dgate_ptr, seg_ptr, N, K, stride_hm,
+                                      up_first, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                      FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
+    """The ffn backward's gate/up recompute fused with the SwiGLU backward (kernels/swiglu_backward.py): each tile's
+    gate and up as in routed_swiglu_pair_tma_kernel (never stored), then, with dh read from dgate_ptr (the dh GEMM's
+    output), h -> h_ptr, d_up -> dup_ptr and d_gate -> dgate_ptr (over dh: each element is read and written by the
+    same thread). Expert-ordered [M_pad, N] buffers of one row stride on an aligned routing; every tile of both padded
+    segments below end (_row_tiles WHOLE_SEGMENTS), so padding rows get zeros (zero x and dh rows), which the TMA
+    grad-weight reads."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, True)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
+        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        g, u = _pair_gate_up(a_desc, w13_desc, e, row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        ok = (rows < row_hi)[:, None] & (offs_n < N)[None, :]
+        off = rows[:, None] * stride_hm + offs_n[None, :]
+        d = tl.load(dgate_ptr + off, mask=ok, other=0.0).to(tl.float32)
+        h, d_up, d_gate = swiglu_grads(g, u, d)
+        ty = h_ptr.dtype.element_ty
+        tl.store(h_ptr + off, h.to(ty), mask=ok)
+        tl.store(dup_ptr + off, d_up.to(ty), mask=ok)
+        tl.store(dgate_ptr + off, d_gate.to(ty), mask=ok)
 
 
 @triton.jit
@@ -779,6 +820,25 @@ def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, i
                                         INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                         GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return h
+
+
+def launch_routed_swiglu_pair_bwd_tma(a_pad, w13, h, dup, dgate, seg, *, up_first=False, input_precision="tf32",
+                                      BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
+                                      FLATTEN=False):
+    """a_pad [M_pad, K] expert-ordered (aligned routing, zero padding rows); w13 as in launch_routed_swiglu_pair_tma;
+    dgate holds dh on entry, d_gate on return; h, dup written. All three [M_pad, N], one row stride."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    M_pad, K, N = a_pad.shape[0], a_pad.shape[1], w13.shape[2]
+    assert h.stride() == dup.stride() == dgate.stride()
+    a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
+    w_desc = TensorDescriptor.from_tensor(w13, [2, 1, BN, BK])
+    tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
+    grid = (min(num_programs or tiles, tiles), )
+    routed_swiglu_pair_bwd_tma_kernel[grid](a_desc, w_desc, h, dup, dgate, seg, N, K, h.stride(0), int(up_first),
+                                            INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                                            GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
+                                            num_stages=num_stages)
+    return h, dup, dgate
 
 
 def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, mask=None, route_block=0, align=128,

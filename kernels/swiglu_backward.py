@@ -15,6 +15,15 @@ from kernels.pdl import grid_dependency_sync
 
 
 @triton.jit
+def swiglu_grads(g, u, d):
+    """(h, d_up, d_gate) in fp32 from fp32 gate g, up u and dh d (the formulas above); also the epilogue of the fused
+    gate/up recompute, kernels/gemm.py routed_swiglu_pair_bwd_tma_kernel."""
+    s = tl.sigmoid(g)
+    act = g * s
+    return act * u, d * act, d * u * (s + act * (1.0 - s))
+
+
+@triton.jit
 def swiglu_backward_kernel(gate_ptr, up_ptr, dh_ptr, n_rows, n_cols, stride,
                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
@@ -28,12 +37,11 @@ def swiglu_backward_kernel(gate_ptr, up_ptr, dh_ptr, n_rows, n_cols, stride,
     g = g_raw.to(tl.float32)
     u = tl.load(up_ptr + off, mask=ok, other=0.0).to(tl.float32)
     d = tl.load(dh_ptr + off, mask=ok, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    act = g * s
+    h, d_up, d_gate = swiglu_grads(g, u, d)
     out_ty = g_raw.dtype
-    tl.store(gate_ptr + off, (act * u).to(out_ty), mask=ok)
-    tl.store(up_ptr + off, (d * act).to(out_ty), mask=ok)
-    tl.store(dh_ptr + off, (d * u * (s + act * (1.0 - s))).to(out_ty), mask=ok)
+    tl.store(gate_ptr + off, h.to(out_ty), mask=ok)
+    tl.store(up_ptr + off, d_up.to(out_ty), mask=ok)
+    tl.store(dh_ptr + off, d_gate.to(out_ty), mask=ok)
 
 
 def launch_swiglu_backward(gate, up, dh, *, BLOCK_R=16, BLOCK_C=256, num_warps=4):

@@ -345,6 +345,44 @@ def test_swiglu_pair_tma(dtype, up_first):
     assert rel_err(h[valid], ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[valid].long()]) < 3 * TOL[dtype]
 
 
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("up_first", [False, True])
+def test_swiglu_pair_bwd_tma(kind, up_first):
+    """The ffn backward's fused gate/up recompute + SwiGLU backward: h, d_up and d_gate (over dh) of every row of both
+    padded segments below end against float64 (padding rows: zeros, which the TMA grad-weight reads); rows from end
+    on are not written (they stay poisoned)."""
+    M, H, I = 37, 40, 24  # noqa: E741
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(31)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, H, dtype=dtype)
+    w1, w3 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype)
+    perm, seg = route(mask, align=ALIGN)
+    M_pad, end = perm.shape[0], int(seg[2])
+    valid = perm >= 0
+    xg = torch.full((M_pad, H), float("nan"), dtype=dtype)
+    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    dh_tok = rnd(gen, M, I, dtype=dtype)
+    dh = torch.zeros(M_pad, I, dtype=dtype)  # as the dh GEMM leaves it: zero padding rows below end
+    dh[valid] = dh_tok[perm[valid].long()]
+    dh[end:] = float("nan")
+    h, dup = (torch.full((M_pad, I), float("nan"), dtype=dtype) for _ in range(2))
+    dgate = dh.clone()
+    gemm.launch_routed_swiglu_pair_bwd_tma(xg, torch.stack([w3, w1] if up_first else [w1, w3]), h, dup, dgate, seg,
+                                           up_first=up_first, input_precision="ieee", num_programs=3, **T)
+    e = torch.where(mask, 1, 0)
+    xd = x.double()
+    g = torch.einsum("mh,mih->mi", xd, w1.double()[e])
+    u = torch.einsum("mh,mih->mi", xd, w3.double()[e])
+    d = dh_tok.double()
+    s = torch.sigmoid(g)
+    want = {"h": g * s * u, "dup": d * g * s, "dgate": d * u * s * (1 + g * (1 - s))}
+    for name, got in (("h", h), ("dup", dup), ("dgate", dgate)):
+        assert rel_err(got[valid], want[name][perm[valid].long()]) < TOL[dtype], name
+        assert (got[:end][~valid[:end]] == 0).all(), f"{name}: padding rows below end must be zero"
+        assert torch.isnan(got[end:]).all(), f"{name}: rows from end on must not be written"
+
+
 @pytest.mark.parametrize("M", [1, 37])
 @pytest.mark.parametrize("gate_up", ["pair", "two_mma"])
 def test_single_expert_without_routing(M, gate_up):

@@ -16,8 +16,10 @@
 // keep 2-3 [M, I] tensors per layer alive until the backward (I is typically ~2.7 H, so several times the [M, H]
 // input that is saved anyway); recomputing gate and up instead costs two more GEMM passes in the backward (8 instead
 // of 6; forward + backward 11 instead of 9 passes of 2*M*H*I flops, ~1.2x). Then:
-//   gate = x·w1ᵀ, up = x·w3ᵀ (recomputed), dh = dy·w2  (routed_linear)
+//   dh = dy·w2, gate = x·w1ᵀ, up = x·w3ᵀ (recomputed)   (routed_linear)
 //   h, dgate, dup from gate, up, dh                     (one in-place elementwise kernel, fp32 math)
+//   (TMA path, where the paired gate/up GEMM serves: gate and up from one GEMM whose epilogue computes h, dgate, dup
+//   directly, reading dh: gate and up are never stored)
 //   dw2 = dyᵀ·h, dw1 = dgateᵀ·x, dw3 = dupᵀ·x           (routed_grad_weight, per expert)
 //   dx = dgate·w1 + dup·w3                              (two routed_linear grad-input passes, summed)
 //   TMA path: x and dy are gathered once and every intermediate is expert-ordered ([M_pad, .]); pointer path:
@@ -153,10 +155,14 @@ std::vector<at::Tensor> ffn_backward_cuda(const at::Tensor& grad_out, const at::
   // grad-weight reads only the experts' rows).
   at::Tensor h = at::empty({rows, geo.I}, opt), dup = at::empty({rows, geo.I}, opt);
   at::Tensor dgate = at::empty({rows, geo.I}, opt);
-  routed::linear(g, r, as(xa), p.gate, none, none, as(h), /*w_transposed=*/false, tma);     // gate = x·w1_eᵀ
-  routed::linear(g, r, as(xa), p.up, none, none, as(dup), /*w_transposed=*/false, tma);     // up = x·w3_eᵀ
   routed::linear(g, r, as(dya), p.down, none, none, as(dgate), /*w_transposed=*/true, tma);  // dh = dy·w2_e
-  swiglu_backward(g, h, dup, dgate);
+  // On the TMA path, where the paired gate/up GEMM serves, gate and up are recomputed and turned into h, d_up and
+  // d_gate in its epilogue (never stored: two [M_pad, I] writes and the elementwise pass's reads of them saved).
+  if (!(tma && routed::swiglu_backward_pair(g, r, xa, p.gate, p.up, h, dup, dgate))) {
+    routed::linear(g, r, as(xa), p.gate, none, none, as(h), /*w_transposed=*/false, tma);  // gate = x·w1_eᵀ
+    routed::linear(g, r, as(xa), p.up, none, none, as(dup), /*w_transposed=*/false, tma);  // up = x·w3_eᵀ
+    swiglu_backward(g, h, dup, dgate);
+  }
   const at::Tensor& e1_w2 = geo.dual ? dw2[1] : none;
   const at::Tensor& e1_w1 = geo.dual ? dw1[1] : none;
   const at::Tensor& e1_w3 = geo.dual ? dw3[1] : none;

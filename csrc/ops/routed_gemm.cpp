@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "ops/torch_launch.h"
 #include "runtime/kernel_configs.h"
@@ -414,6 +415,36 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   }
 }
 
+namespace {
+// Gate and up in one MMA of 2 x BLOCK_N columns (routed_swiglu_pair_tma_kernel and its backward twin) where `kernel`'s
+// table turns it on for m: one rank-4 descriptor [2, E, I, H] whose first dimension steps from one weight tensor to the other
+// (their distance in memory, which TMA takes when it is a multiple of 16 bytes below 2^40; the lower address first,
+// up_first says which).
+struct Pair {
+  const KernelConfig* cfg;
+  Experts::Stacked lo;  // the weight tensor at the lower address
+  int64_t dist;         // elements from it to the other one
+  bool up_first;
+  void add_descriptor(KernelArgs& args, int64_t I, int64_t H) const {
+    args.tensor(lo.base, {2, lo.experts, I, H}, {dist, lo.stride_e, lo.ld, 1});
+  }
+};
+std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Experts& w3, int64_t m) {
+  const KernelConfig* pc = find_config(kernel, family(g), g.cc, m);
+  if (!pc || config_off(*pc)) return std::nullopt;
+  const Experts::Stacked& s1 = w1.stacked();
+  const Experts::Stacked& s3 = w3.stacked();
+  const intptr_t dist = reinterpret_cast<intptr_t>(s3.base) - reinterpret_cast<intptr_t>(s1.base);
+  const uintptr_t adist = static_cast<uintptr_t>(dist < 0 ? -dist : dist);
+  if (s1.experts != s3.experts || s1.stride_e != s3.stride_e || s1.ld != s3.ld || adist == 0 || adist % 16 != 0 ||
+      adist >= (uintptr_t{1} << 40))
+    return std::nullopt;
+  const bool up_first = dist < 0;
+  return Pair{pc, up_first ? s3 : s1, static_cast<int64_t>(adist) / static_cast<int64_t>(c10::elementSize(g.dtype)),
+              up_first};
+}
+}  // namespace
+
 void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma,
             const at::Tensor& gather_into) {
   const int64_t I = w1.rows(), H = w1.cols();
@@ -448,29 +479,19 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
   ensure_routed(r);
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a, gather_into);
-    const Experts::Stacked& s1 = w1.stacked();
-    const Experts::Stacked& s3 = w3.stacked();
-    // Gate and up in one MMA of 2 x BLOCK_N columns where the table turns it on: one rank-4 descriptor
-    // [2, E, I, H] whose first dimension steps from one weight tensor to the other (their distance in memory, which
-    // TMA takes when it is a multiple of 16 bytes below 2^40; the lower address first, up_first says which).
-    const KernelConfig* pc = find_config("routed_swiglu_pair_tma_kernel", family(g), g.cc, r.M);
-    const int64_t es = c10::elementSize(g.dtype);
-    const intptr_t dist = reinterpret_cast<intptr_t>(s3.base) - reinterpret_cast<intptr_t>(s1.base);
-    const uintptr_t adist = static_cast<uintptr_t>(dist < 0 ? -dist : dist);
-    if (pc && !config_off(*pc) && s1.experts == s3.experts && s1.stride_e == s3.stride_e && s1.ld == s3.ld &&
-        adist > 0 && adist % 16 == 0 && adist < (uintptr_t{1} << 40)) {
-      const bool up_first = dist < 0;
-      args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
-          .tensor(up_first ? s3.base : s1.base, {2, s1.experts, I, H},
-                  {static_cast<int64_t>(adist) / es, s1.stride_e, s1.ld, 1})
-          .ptr(h.data_ptr()).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
-          .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(up_first ? 1 : 0);
-      const int64_t tiles = max_row_tiles(r, pc->block[0]) * cdiv(I, pc->block[1]);
+    if (const std::optional<Pair> pair = pair_of("routed_swiglu_pair_tma_kernel", g, w1, w3, r.M)) {
+      args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1});
+      pair->add_descriptor(args, I, H);
+      args.ptr(h.data_ptr()).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
+          .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(pair->up_first ? 1 : 0);
+      const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(I, pair->cfg->block[1]);
       launch_on_current_stream("routed_swiglu_pair_tma_kernel",
-                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", pc->cfg}}), args,
+                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", pair->cfg->cfg}}), args,
                                grid(std::min<int64_t>(g.sms, tiles)), h);
       return;
     }
+    const Experts::Stacked& s1 = w1.stacked();
+    const Experts::Stacked& s3 = w3.stacked();
     const KernelConfig& c = config(g, "routed_swiglu_tma_kernel", r.M);
     args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
         .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
@@ -494,6 +515,29 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     launch_on_current_stream("routed_swiglu_kernel", swiglu_key(g, c), args,
                              grid((r.M_pad / c.block[0]) * cdiv(I, c.block[1])), h);
   }
+}
+
+bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, Experts& w1, Experts& w3,
+                          const at::Tensor& h, const at::Tensor& dup, const at::Tensor& dgate) {
+  const int64_t I = w1.rows(), H = w1.cols();
+  TORCH_INTERNAL_ASSERT(r.aligned && !r.identity && w3.rows() == I && w3.cols() == H);
+  check_rows(r, ordered(x), H, "x");
+  for (const at::Tensor* t : {&h, &dup, &dgate})
+    TORCH_INTERNAL_ASSERT(t->dim() == 2 && t->size(0) == r.M_pad && t->size(1) == I && t->stride(1) == 1 &&
+                          t->stride(0) == h.stride(0));
+  const std::optional<Pair> pair = pair_of("routed_swiglu_pair_bwd_tma_kernel", g, w1, w3, r.M);
+  if (!pair) return false;
+  ensure_routed(r);
+  KernelArgs args;
+  args.tensor(x.data_ptr(), {x.size(0), H}, {x.stride(0), 1});
+  pair->add_descriptor(args, I, H);
+  args.ptr(h.data_ptr()).ptr(dup.data_ptr()).ptr(dgate.data_ptr()).ptr(r.seg.data_ptr())
+      .i32(I).i32(H).i32(h.stride(0)).i32(pair->up_first ? 1 : 0);
+  const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(I, pair->cfg->block[1]);
+  launch_on_current_stream("routed_swiglu_pair_bwd_tma_kernel",
+                           make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", pair->cfg->cfg}}), args,
+                           grid(std::min<int64_t>(g.sms, tiles)), h);
+  return true;
 }
 
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,

@@ -160,6 +160,13 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma,
             const at::Tensor& gather_into = at::Tensor());
 
+// The ffn backward's gate/up recompute fused with the SwiGLU backward (routed_swiglu_pair_bwd_tma_kernel), where the
+// pair kernel serves m (sm_90 table) and W1 / W3 allow its rank-4 descriptor: from expert-ordered x [M_pad, H] (aligned
+// routing, zero padding rows) and dh, held in dgate on entry: h, d_up and d_gate (over dh), all [M_pad, I] of one row
+// stride, padding rows below end zero. Returns false, launching nothing, where it does not serve.
+bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, Experts& w1, Experts& w3,
+                          const at::Tensor& h, const at::Tensor& dup, const at::Tensor& dgate);
+
 // dW_e = dy_eᵀ · x_e ([N, K]) and, when db0 is defined, db_e = Σ dy_e ([N]) for e = 0 (dw0, db0) and e = 1 (dw1,
 // db1; not touched for a single-expert routing). dy [., N] and x [., K] both in token order or both expert-ordered.
 // Outputs in the input dtype (fp32 accumulation over all rows of the expert), every element written.
