@@ -53,7 +53,7 @@ _KERNELS = ["routing_one_block_kernel", "routing_count_kernel", "routing_scatter
             "gather_rows_kernel", "expert_colsum_kernel", "swiglu_backward_kernel", "routed_linear_kernel",
             "routed_swiglu_kernel", "routed_grad_weight_kernel", "routed_linear_tma_kernel",
             "routed_linear_gather_tma_kernel", "routed_swiglu_tma_kernel", "routed_swiglu_pair_tma_kernel",
-            "routed_swiglu_gather_tma_kernel", "routed_grad_weight_tma_kernel"]
+            "routed_swiglu_gather_tma_kernel", "routed_grad_weight_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"]
 
 # PTX instructions that touch global memory (loads, stores, TMA and async copies, atomics, reductions).
 _MEMORY = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|cp\.reduce|atom\.|red\.|"
