@@ -610,14 +610,32 @@ def test_shipped_config(kernel, fam, block, group):
         elif kernel == "routed_swiglu_pair_tma_kernel":
             gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision=p, BM=bm,
                                                BN=bn, BK=bk, GROUP_M=group, num_programs=7)
-        else:
+        elif kernel == "routed_swiglu_pair_bwd_tma_kernel":  # h checked below, d_up and d_gate here
+            ok = perm >= 0
+            dh = rnd(gen, M, N, dtype=dtype)
+            dgate = torch.zeros(M_pad, N, dtype=dtype)
+            dgate[ok] = dh[perm[ok].long()]
+            dup = torch.full((M_pad, N), float("nan"), dtype=dtype)
+            gemm.launch_routed_swiglu_pair_bwd_tma(xg, torch.stack([w1, w3]), h, dup, dgate, seg, input_precision=p,
+                                                   BM=bm, BN=bn, BK=bk, GROUP_M=group, num_programs=7)
+            e = torch.where(mask, 1, 0)
+            g = torch.einsum("mk,mnk->mn", x.double(), w1.double()[e])
+            u = torch.einsum("mk,mnk->mn", x.double(), w3.double()[e])
+            s = torch.sigmoid(g)
+            rows = perm[ok].long()
+            assert rel_err(dup[ok], (dh.double() * g * s)[rows]) < tol
+            assert rel_err(dgate[ok], (dh.double() * u * s * (1 + g * (1 - s)))[rows]) < tol
+        elif kernel == "routed_swiglu_tma_kernel":
             gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
                                           GROUP_M=group, num_programs=7)
+        else:
+            raise AssertionError(f"no test for {kernel}")
         valid = perm >= 0
         got = torch.empty(M, N, dtype=dtype)
         got[perm[valid].long()] = h[valid]
         assert rel_err(got, ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)) < tol
     else:
+        assert kernel in ("routed_grad_weight_kernel", "routed_grad_weight_tma_kernel"), f"no test for {kernel}"
         bn, bk, br = block
         dy = rnd(gen, M, N, dtype=dtype)
         dw0, dw1 = (torch.full((N, K), float("nan"), dtype=dtype) for _ in range(2))
