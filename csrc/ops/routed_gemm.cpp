@@ -416,10 +416,10 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 }
 
 namespace {
-// Gate and up in one MMA of 2 x BLOCK_N columns (routed_swiglu_pair_tma_kernel and its backward twin) where `kernel`'s
-// table turns it on for m: one rank-4 descriptor [2, E, I, H] whose first dimension steps from one weight tensor to the other
-// (their distance in memory, which TMA takes when it is a multiple of 16 bytes below 2^40; the lower address first,
-// up_first says which).
+// Gate and up in one MMA of 2 x BLOCK_N columns (routed_swiglu_pair_tma_kernel and its backward twin) where
+// `kernel`'s table turns it on for m: one rank-4 descriptor [2, E, I, H] whose first dimension steps from one weight
+// tensor to the other (their distance in memory, which TMA takes when it is a multiple of 16 bytes below 2^40; the
+// lower address first, up_first says which).
 struct Pair {
   const KernelConfig* cfg;
   Experts::Stacked lo;  // the weight tensor at the lower address
