@@ -70,6 +70,20 @@ def ref_swiglu_h(x, w1_0, w1_1, w3_0, w3_1, mask):
     return torch.where(mask[:, None], h(w1_1, w3_1), h(w1_0, w3_0))
 
 
+def ref_gate_up(x, w1, w3, mask):
+    """float64 gate and up pre-activations [M, N] of each token through its own expert (w1, w3 stacked [2, N, K])."""
+    e = torch.where(mask, 1, 0)
+    xd = x.double()
+    return (torch.einsum("mk,mnk->mn", xd, w1.double()[e]), torch.einsum("mk,mnk->mn", xd, w3.double()[e]))
+
+
+def ref_swiglu_grads(g, u, d):
+    """float64 (h, d_up, d_gate) from gate g, up u and dh d (kernels/swiglu_backward.py)."""
+    s = torch.sigmoid(g)
+    act = g * s
+    return act * u, d * act, d * u * s * (1 + g * (1 - s))
+
+
 def prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -370,13 +384,7 @@ def test_swiglu_pair_bwd_tma(kind, up_first):
     dgate = dh.clone()
     gemm.launch_routed_swiglu_pair_bwd_tma(xg, torch.stack([w3, w1] if up_first else [w1, w3]), h, dup, dgate, seg,
                                            up_first=up_first, input_precision="ieee", num_programs=3, **T)
-    e = torch.where(mask, 1, 0)
-    xd = x.double()
-    g = torch.einsum("mh,mih->mi", xd, w1.double()[e])
-    u = torch.einsum("mh,mih->mi", xd, w3.double()[e])
-    d = dh_tok.double()
-    s = torch.sigmoid(g)
-    want = {"h": g * s * u, "dup": d * g * s, "dgate": d * u * s * (1 + g * (1 - s))}
+    want = dict(zip(("h", "dup", "dgate"), ref_swiglu_grads(*ref_gate_up(x, w1, w3, mask), dh_tok.double())))
     for name, got in (("h", h), ("dup", dup), ("dgate", dgate)):
         assert rel_err(got[valid], want[name][perm[valid].long()]) < TOL[dtype], name
         assert (got[:end][~valid[:end]] == 0).all(), f"{name}: padding rows below end must be zero"
@@ -618,13 +626,10 @@ def test_shipped_config(kernel, fam, block, group):
             dup = torch.full((M_pad, N), float("nan"), dtype=dtype)
             gemm.launch_routed_swiglu_pair_bwd_tma(xg, torch.stack([w1, w3]), h, dup, dgate, seg, input_precision=p,
                                                    BM=bm, BN=bn, BK=bk, GROUP_M=group, num_programs=7)
-            e = torch.where(mask, 1, 0)
-            g = torch.einsum("mk,mnk->mn", x.double(), w1.double()[e])
-            u = torch.einsum("mk,mnk->mn", x.double(), w3.double()[e])
-            s = torch.sigmoid(g)
+            _, want_dup, want_dgate = ref_swiglu_grads(*ref_gate_up(x, w1, w3, mask), dh.double())
             rows = perm[ok].long()
-            assert rel_err(dup[ok], (dh.double() * g * s)[rows]) < tol
-            assert rel_err(dgate[ok], (dh.double() * u * s * (1 + g * (1 - s)))[rows]) < tol
+            assert rel_err(dup[ok], want_dup[rows]) < tol
+            assert rel_err(dgate[ok], want_dgate[rows]) < tol
         elif kernel == "routed_swiglu_tma_kernel":
             gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
                                           GROUP_M=group, num_programs=7)
@@ -659,10 +664,7 @@ def test_swiglu_backward_in_place(dtype):
     gen = torch.Generator().manual_seed(31)
     rows, cols = 37, 300  # partial blocks in both dimensions
     g, u, d = (rnd(gen, rows, cols, dtype=dtype) * 3 for _ in range(3))
-    gd, ud, dd = g.double(), u.double(), d.double()
-    s = torch.sigmoid(gd)
-    act = gd * s
-    ref = (act * ud, dd * act, dd * ud * s * (1 + gd * (1 - s)))  # h, d_up, d_gate
+    ref = ref_swiglu_grads(g.double(), u.double(), d.double())  # h, d_up, d_gate
     bufs = [g.clone(), u.clone(), d.clone()]
     launch_swiglu_backward(*bufs, BLOCK_R=16, BLOCK_C=256)
     for got, want in zip(bufs, ref):
