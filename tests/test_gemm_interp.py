@@ -658,6 +658,35 @@ def test_shipped_config(kernel, fam, block, group):
 
 
 # ------------------------------------------------------------------------------------ swiglu backward (elementwise)
+@pytest.mark.parametrize("kind", ["random", "span"])
+def test_grad_weight_tma_stops_at_the_block_past_the_rows(kind):
+    """The sm_90 grad-weight reads expert e's rows only up to the first multiple of BLOCK_R past its count_e rows,
+    not the segment's padding beyond (routing ALIGN 64, BR 16 here): NaN in those padding rows must not reach dW,
+    while the zero padding rows below that bound are read and add nothing."""
+    M, N, K, align, br = 150, 24, 40, 64, 16
+    gen = torch.Generator().manual_seed(13)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, K)
+    dy = rnd(gen, M, N)
+    perm, seg = route(mask, align=align)
+    dy_pad, x_pad = torch.zeros(perm.shape[0], N), torch.zeros(perm.shape[0], K)
+    gemm.launch_gather_rows(dy, dy_pad, perm, BLOCK_R=16, BLOCK_C=32)
+    gemm.launch_gather_rows(x, x_pad, perm, BLOCK_R=16, BLOCK_C=32)
+    poisoned = 0
+    for e in (0, 1):
+        lo, end, count = int(seg[e]), int(seg[1 + e]), int(seg[3 + e])
+        first_unread = lo + -(-count // br) * br
+        dy_pad[first_unread:end] = float("nan")
+        x_pad[first_unread:end] = float("nan")
+        poisoned += end - first_unread
+    assert poisoned > 0  # the case does leave padding past the bound (else this test proves nothing)
+    dw0, dw1 = (torch.full((N, K), float("nan")) for _ in range(2))
+    gemm.launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, input_precision="ieee", BN=16, BK=16, BR=br)
+    m1 = mask.double()[:, None]
+    assert rel_err(dw0, (dy.double() * (1 - m1)).T @ x.double()) < 1e-5
+    assert rel_err(dw1, (dy.double() * m1).T @ x.double()) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_backward_in_place(dtype):
     from kernels.swiglu_backward import launch_swiglu_backward
