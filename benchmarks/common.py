@@ -165,6 +165,47 @@ def bench(
     return (med, times) if return_all else med
 
 
+def bench_pair(
+    fn_a: Callable[..., Any],
+    fn_b: Callable[..., Any],
+    args: Sequence[Sequence[Any]] | None = None,
+    warmup: int = 10,
+    rep: int = 100,
+    hold_gpu: bool = True,
+) -> list:
+    """Device times of ``fn_a`` and ``fn_b`` interleaved call by call: ``rep`` pairs, each one call of either
+    back to back (which goes first alternates from pair to pair), every call bracketed by its own CUDA events.
+    The two calls of a pair see the same clock, so a ratio taken pair by pair leaves out the drift of the device's
+    clock over the run (power and heat), which two separate :func:`bench` medians include. Inputs rotate as in
+    :func:`bench`, the two calls of a pair on different argument sets. Returns ``[(a_ms, b_ms), ...]``."""
+    arg_sets = [tuple(a) for a in args] if args else [()]
+    n = len(arg_sets)
+    ring: list[Any] = [None] * (2 * n)
+    for i in range(max(warmup, 1)):
+        ring[2 * (i % n)] = fn_a(*arg_sets[i % n])
+        ring[2 * (i % n) + 1] = fn_b(*arg_sets[(i + 1) % n])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ring[0] = fn_a(*arg_sets[0])
+    ring[1] = fn_b(*arg_sets[1 % n])
+    cpu_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(rep)]
+    if hold_gpu:
+        _hold_gpu(min(rep * (cpu_ms + 0.04) * 2.0 + 1.0, 300.0))
+    for i in range(rep):
+        order = ((fn_a, 0), (fn_b, 1)) if i % 2 == 0 else ((fn_b, 1), (fn_a, 0))
+        for fn, k in order:
+            j = (i + k) % n
+            ev[i][2 * k].record()
+            ring[2 * j + k] = fn(*arg_sets[j])
+            ev[i][2 * k + 1].record()
+    torch.cuda.synchronize()
+    times = [(e[0].elapsed_time(e[1]), e[2].elapsed_time(e[3])) for e in ev]
+    del ring
+    return times
+
+
 @contextlib.contextmanager
 def programmatic_launch(enabled: bool):
     """fused_ops' programmatic dependent launch on or off inside the block (A/B rows of the routed benchmarks)."""

@@ -77,6 +77,36 @@ def ratio(a: dict, b: dict) -> float:
     return a["ms"] / b["ms"] if a and b and a["ms"] == a["ms"] and b["ms"] == b["ms"] and b["ms"] > 0 else float("nan")
 
 
+PAIRS_PER_REP = 5  # paired_ratio times 5 x opts.rep pairs (100 by default)
+
+
+def paired_ratio(res: Results, opts, label, fn, ref_fn, arg_sets) -> tuple:
+    """The ratio a target reports: fn's time / ref_fn's, the median over pairs of calls timed back to back
+    (common.bench_pair, 5 x opts.rep pairs after opts.warmup). A sustained load heats the device and moves its clock
+    (an H100 loses up to ~10% of its matrix rate over a run, and its clock also moves on the scale of tens of ms), so
+    two medians taken apart, the reference first, also measure the drift between them; the two calls of a pair see the
+    same clock. Returns (ratio, first quartile, third quartile of the per-pair ratios), nan on a failure (recorded as
+    an error). Both functions have been timed and checked by measure() before."""
+    import statistics
+    try:
+        pairs = common.bench_pair(fn, ref_fn, args=arg_sets, warmup=opts.warmup, rep=PAIRS_PER_REP * opts.rep)
+    except Interrupted:
+        raise
+    except Exception as e:  # noqa: BLE001
+        res.error(f"{label} paired timing", e)
+        nan = float("nan")
+        return nan, nan, nan
+    r = [a / b for a, b in pairs]
+    q1, _, q3 = statistics.quantiles(r, n=4)
+    return statistics.median(r), q1, q3
+
+
+def paired_note(seq: float, paired: tuple) -> str:
+    """How a target's paired ratio came about, next to the ratio of the table's two medians (`seq`)."""
+    return (f"median of {PAIRS_PER_REP}x rep back-to-back pairs, quartiles {paired[1]:.3f}-{paired[2]:.3f}; "
+            f"the table's medians give {seq:.3f}")
+
+
 def measure(res: Results, opts, case, impl, fn, arg_sets, flops, check=None, note="", wbytes=None, best_of=1):
     """Times fn over the rotating arg_sets (common.bench: median of CUDA-event times after opts.warmup calls, over
     opts.rep calls), then checks it once (check() returns its relative error). Never raises except on interruption.
