@@ -177,13 +177,15 @@ def bench_pair(
     back to back (which goes first alternates from pair to pair), every call bracketed by its own CUDA events.
     The two calls of a pair see the same clock, so a ratio taken pair by pair leaves out the drift of the device's
     clock over the run (power and heat), which two separate :func:`bench` medians include. Inputs rotate as in
-    :func:`bench`, the two calls of a pair on different argument sets. Returns ``[(a_ms, b_ms), ...]``."""
+    :func:`bench`, one argument set per call in the order of the calls: a set comes back only after ``n`` calls, so
+    neither function finds the other's inputs still in L2. Returns ``[(a_ms, b_ms), ...]``."""
     arg_sets = [tuple(a) for a in args] if args else [()]
     n = len(arg_sets)
     ring: list[Any] = [None] * (2 * n)
     for i in range(max(warmup, 1)):
-        ring[2 * (i % n)] = fn_a(*arg_sets[i % n])
-        ring[2 * (i % n) + 1] = fn_b(*arg_sets[(i + 1) % n])
+        for fn, k in ((fn_a, 0), (fn_b, 1)):
+            j = (2 * i + k) % n
+            ring[2 * j + k] = fn(*arg_sets[j])
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     ring[0] = fn_a(*arg_sets[0])
@@ -195,8 +197,8 @@ def bench_pair(
         _hold_gpu(min(rep * (cpu_ms + 0.04) * 2.0 + 1.0, 300.0))
     for i in range(rep):
         order = ((fn_a, 0), (fn_b, 1)) if i % 2 == 0 else ((fn_b, 1), (fn_a, 0))
-        for fn, k in order:
-            j = (i + k) % n
+        for pos, (fn, k) in enumerate(order):
+            j = (2 * i + pos) % n
             ev[i][2 * k].record()
             ring[2 * j + k] = fn(*arg_sets[j])
             ev[i][2 * k + 1].record()
