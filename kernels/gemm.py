@@ -107,14 +107,16 @@ def _routed_row_tiles(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row0, row_hi, expert, pid_n) of tile number `tile` of a persistent walk over _row_tiles' row tiles: its rows
-    are [row0, min(row0 + BLOCK_M, row_hi))."""
+def _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             GROUP_M: tl.constexpr):
+    """(row0, row_hi, expert, n0, offs_n) of tile number `tile` of a persistent walk over _row_tiles' row tiles: its
+    rows are [row0, min(row0 + BLOCK_M, row_hi)), its columns offs_n = n0 + [0, BLOCK_N)."""
     pid_m, pid_n = _tile_mn(tile, num_pid_m, num_pid_n, GROUP_M)
     e = (pid_m >= t0).to(tl.int32)
     row0 = tl.where(pid_m >= t0, start1 + (pid_m - t0) * BLOCK_M, pid_m * BLOCK_M)
     row_hi = tl.where(pid_m >= t0, hi1, hi0)
-    return row0, row_hi, e, pid_n
+    n0 = pid_n * BLOCK_N
+    return row0, row_hi, e, n0, n0 + tl.arange(0, BLOCK_N)
 
 
 @triton.jit
@@ -153,18 +155,23 @@ def _b_ptrs(w_ptr, offs_k, offs_n, stride_w, W_TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _ordered_offsets(row0, row_hi, offs_n, N, stride_m, BLOCK_M: tl.constexpr):
+    """(element offsets, mask) of the tile's rows below row_hi and columns below N in an expert-ordered buffer."""
+    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return rows[:, None] * stride_m + offs_n[None, :], (rows < row_hi)[:, None] & (offs_n < N)[None, :]
+
+
+@triton.jit
 def _store_tile(out_ptr, val, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT: tl.constexpr,
                 BLOCK_M: tl.constexpr):
     """The tile's rows below row_hi: scattered to out[perm[r]] (padding rows skipped), or to out[r]."""
-    n_ok = offs_n[None, :] < N
     if SCATTER_OUT:
         rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
         ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-        tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok)
+        tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
     else:
-        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-        tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=(rows < row_hi)[:, None] & n_ok)
+        off, ok = _ordered_offsets(row0, row_hi, offs_n, N, stride_om, BLOCK_M)
+        tl.store(out_ptr + off, val.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -372,9 +379,8 @@ def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm
     start1, t0, num_pid_m, hi0, hi1 = _walk_tiles(seg_ptr, one_rows, BLOCK_M, SCATTER_OUT == False)  # noqa: E712
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
-        n0 = pid_n * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
+                                               GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc = _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
@@ -408,9 +414,8 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr
     num_pid_n = tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
-        n0 = pid_n * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
+                                               GROUP_M)
         rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -448,9 +453,8 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
     start1, t0, num_pid_m, hi0, hi1 = _walk_tiles(seg_ptr, one_rows, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
-        n0 = pid_n * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
+                                               GROUP_M)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -476,9 +480,8 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, on
     start1, t0, num_pid_m, hi0, hi1 = _walk_tiles(seg_ptr, one_rows, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
-        n0 = pid_n * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
+                                               GROUP_M)
         g, u = _pair_gate_up(a_desc, w13_desc, e, row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
 
@@ -515,13 +518,10 @@ def routed_swiglu_pair_bwd_tma_kernel(a_desc, w13_desc, h_ptr, dup_ptr, dgate_pt
     start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, True)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
-        n0 = pid_n * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
+                                               GROUP_M)
         g, u = _pair_gate_up(a_desc, w13_desc, e, row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        ok = (rows < row_hi)[:, None] & (offs_n < N)[None, :]
-        off = rows[:, None] * stride_hm + offs_n[None, :]
+        off, ok = _ordered_offsets(row0, row_hi, offs_n, N, stride_hm, BLOCK_M)
         d = tl.load(dgate_ptr + off, mask=ok, other=0.0).to(tl.float32)
         h, d_up, d_gate = swiglu_grads(g, u, d)
         ty = h_ptr.dtype.element_ty
@@ -547,9 +547,8 @@ def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, se
     num_pid_n = tl.cdiv(N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, row_hi, e, pid_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, GROUP_M)
-        n0 = pid_n * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+        row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
+                                               GROUP_M)
         rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
