@@ -45,7 +45,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from routed_harness import (Results, cleanup, finish, log, measure, measure_pdl_off, open_device,  # noqa: E402
-                            paired_note, paired_ratio, poisoned_call, rel_err, run_cases)
+                            paired_note, paired_ratio, poisoned_call, ratio, rel_err, run_cases)
 
 NAME = "bench_linear_dual"
 TARGET_FWD_VS_CUBLAS = 1.10
@@ -146,12 +146,11 @@ def case_fwd(res: Results, opts):
                                  check=lambda fn=fn: rel_err(poisoned_call(fn, x_chk, out_bytes=M * N * 2), ref))
         measure_pdl_off(res, opts, case, impls[0][1], xs, flops)
         f = rows[IMPL_FUSED]
-        seq = f["ms"] / r_cublas["ms"] if r_cublas["ms"] == r_cublas["ms"] else float("nan")
         paired = paired_ratio(res, opts, case, impls[0][1], cublas, xs)
         f["note"] = (f"{paired[0]:.3f}x cuBLAS time (paired); speedup {rows[IMPL_GATHER]['ms'] / f['ms']:.2f}x vs "
                      f"gather+cuBLAS, {rows[IMPL_WHERE]['ms'] / f['ms']:.2f}x vs both+where")
         res.target(f"fwd {kind}: linear_dual time / cuBLAS F.linear time (M=K=N={M})", paired[0],
-                   TARGET_FWD_VS_CUBLAS, True, "x", rows=[f, r_cublas], why=paired_note(seq, paired))
+                   TARGET_FWD_VS_CUBLAS, True, "x", rows=[f, r_cublas], why=paired_note(ratio(f, r_cublas), paired))
         del ref
     del xs, w
     cleanup()
@@ -212,12 +211,11 @@ def case_bwd(res: Results, opts):
         if kind == "rand50":
             measure_pdl_off(res, opts, case, fused, sets, flops)
         f = rows[IMPL_FUSED]
-        seq = f["ms"] / r_cublas["ms"] if r_cublas["ms"] == r_cublas["ms"] else float("nan")
         paired = paired_ratio(res, opts, case, fused, cublas, sets)
         f["note"] += (f"; {paired[0]:.3f}x cuBLAS GEMM time (paired); speedup {rows[IMPL_GATHER]['ms'] / f['ms']:.2f}x"
                       " vs gather")
         res.target(f"bwd {kind}: linear_dual_backward time / cuBLAS GEMM time", paired[0], TARGET_BWD_VS_CUBLAS,
-                   True, "x", rows=[f, r_cublas], why=paired_note(seq, paired))
+                   True, "x", rows=[f, r_cublas], why=paired_note(ratio(f, r_cublas), paired))
         del ref
     del sets, w
     cleanup()
