@@ -125,14 +125,15 @@ GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ie
 
 # Row counts: no hint. They only bound rows (no vector access runs along them), and M_pad = M + 128 of an unaligned
 # routing is rarely a multiple of 16: a hint on it would send every such call (one decode token: M_pad = 129) to the
-# generic variant, which loses the hints on the pointers and strides that vectorize the gathers and stores.
-_ROW_COUNTS = {"M", "M_pad", "n_rows", "one_rows"}
+# generic variant, which loses the hints on the pointers and strides that vectorize the gathers and stores. Nor on an
+# expert index (0 or 1), which no address is a multiple of.
+_NO_HINT = {"M", "M_pad", "n_rows", "one_rows", "first_expert"}
 
 
 def _aligned(args) -> Dict[str, object]:
-    """Divisibility hints (16) on every pointer and every integer argument but the row counts: 16-byte aligned
-    pointers, column sizes and strides multiples of 16 elements. Tensor descriptors carry none."""
-    return {n: 16 for n, ty in args if not ty.startswith("tensordesc") and n not in _ROW_COUNTS}
+    """Divisibility hints (16) on every pointer and every integer argument but the row counts and expert indices:
+    16-byte aligned pointers, column sizes and strides multiples of 16 elements. Tensor descriptors carry none."""
+    return {n: 16 for n, ty in args if not ty.startswith("tensordesc") and n not in _NO_HINT}
 
 
 _MNK = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")  # what a config's block and group mean, per kernel kind
@@ -239,7 +240,7 @@ def _gemm_variants() -> List[Variant]:
         # ffn backward. (Expert-ordered buffers, on sm_90, go to routed_grad_weight_tma_kernel.)
         args = [("dy_ptr", p), ("x_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("dw0_ptr", p), ("dw1_ptr", p),
                 ("db0_ptr", p), ("db1_ptr", p), ("N", "i32"), ("K", "i32"), ("stride_dym", "i32"),
-                ("stride_xm", "i32"), ("stride_dwn", "i32")]
+                ("stride_xm", "i32"), ("stride_dwn", "i32"), ("first_expert", "i32")]
         for cfg, archs in configs("routed_grad_weight_kernel", fam):
             for dbias in (1, 0):
                 meta = _tile_meta(cfg, prec, _NKR, GATHER=True, HAS_DBIAS=dbias, ACCUMULATE=False)
@@ -295,7 +296,7 @@ def _gemm_variants() -> List[Variant]:
             bn, bk, br = cfg["block"]
             args = [("dy_desc", f"tensordesc<{dt}[{br}, {bn}]>"), ("x_desc", f"tensordesc<{dt}[{br}, {bk}]>"),
                     ("seg_ptr", "*i32"), ("dw0_ptr", p), ("dw1_ptr", p), ("N", "i32"), ("K", "i32"),
-                    ("stride_dwn", "i32")]
+                    ("stride_dwn", "i32"), ("first_expert", "i32")]
             meta = _tile_meta(cfg, prec, _NKR)
             out += _both("kernels.gemm:routed_grad_weight_tma_kernel", dict(base), args, meta, cfg, archs)
 

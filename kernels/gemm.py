@@ -564,12 +564,14 @@ def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, se
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def routed_grad_weight_kernel(dy_ptr, x_ptr, perm_ptr, seg_ptr, dw0_ptr, dw1_ptr, db0_ptr, db1_ptr,
-                              N, K, stride_dym, stride_xm, stride_dwn,
+                              N, K, stride_dym, stride_xm, stride_dwn, first_expert,
                               GATHER: tl.constexpr, HAS_DBIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
                               INPUT_PRECISION: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                               GROUP_N: tl.constexpr, PDL: tl.constexpr = False):
-    """Grid (2 * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K),).  Programs [0, T) expert 0, [T, 2T) expert 1.
+    """Grid (E * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K),): programs [0, T) are expert first_expert, [T, 2T) (E = 2)
+    expert first_expert + 1. One expert's gradients alone: E = 1 and first_expert = 0 or 1 (a frozen expert's
+    weights cost nothing).
 
     GATHER=True : dY [M, N] and X [M, K] in original row order, rows read through perm.
     GATHER=False: dY [M_pad, N], X [M_pad, K] expert-ordered padded buffers (padding rows skipped).
@@ -579,7 +581,7 @@ def routed_grad_weight_kernel(dy_ptr, x_ptr, perm_ptr, seg_ptr, dw0_ptr, dw1_ptr
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_k = tl.cdiv(K, BLOCK_K)
     per_e = num_pid_n * num_pid_k
-    e = pid // per_e
+    e = first_expert + pid // per_e
     pid_n, pid_k = _tile_mn(pid % per_e, num_pid_n, num_pid_k, GROUP_N)
     seg_start = tl.load(seg_ptr + e)
     seg_cnt = tl.load(seg_ptr + 3 + e)
@@ -626,7 +628,7 @@ def routed_grad_weight_kernel(dy_ptr, x_ptr, perm_ptr, seg_ptr, dw0_ptr, dw1_ptr
 
 
 @triton.jit
-def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_ptr, dw1_ptr, N, K, stride_dwn,
+def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_ptr, dw1_ptr, N, K, stride_dwn, first_expert,
                                   INPUT_PRECISION: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                                   GROUP_N: tl.constexpr, PDL: tl.constexpr = False):
@@ -635,7 +637,7 @@ def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_ptr, dw1_ptr, N,
     divides) and number count_e = seg[3 + e]; the loop stops at the first multiple of BLOCK_R past them, not at the
     segment's padded end (on average half an ALIGN of zero rows per expert not read: ~1.5% of the steps at 2048 rows
     per expert). The padding rows it does read are zero, so every step is a whole, unmasked TMA tile. Grid
-    (2 * cdiv(N, BN) * cdiv(K, BK),) as the pointer kernel; no atomics, deterministic. Bias gradients are not summed
+    (E * cdiv(N, BN) * cdiv(K, BK),) with first_expert as the pointer kernel; no atomics, deterministic. Bias gradients are not summed
     here: a row sum in the loop costs every program a pass of the dY tile through registers (they come from dY's
     gather: gather_rows_kernel(COLSUM), then expert_colsum_kernel)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
@@ -643,7 +645,7 @@ def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_ptr, dw1_ptr, N,
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_k = tl.cdiv(K, BLOCK_K)
     per_e = num_pid_n * num_pid_k
-    e = pid // per_e
+    e = first_expert + pid // per_e
     pid_n, pid_k = _tile_mn(pid % per_e, num_pid_n, num_pid_k, GROUP_N)
     r_lo = tl.load(seg_ptr + e)
     r_hi = r_lo + tl.cdiv(tl.load(seg_ptr + 3 + e), BLOCK_R) * BLOCK_R
@@ -864,30 +866,40 @@ def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, 
     return h
 
 
+def _grad_weight_experts(experts):
+    """(first_expert, number of experts) of a grad-weight launch over `experts`: (0, 1), (1,) or (0,)."""
+    assert tuple(experts) in ((0, 1), (0, ), (1, )), experts
+    return experts[0], len(experts)
+
+
 def launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, db0=None, db1=None, *, gather=True, accumulate=False,
                               input_precision="tf32", BN=128, BK=128, BR=64, GROUP_N=8, num_warps=8,
-                              num_stages=3):
+                              num_stages=3, experts=(0, 1)):
+    """experts: the experts whose gradients are computed (the others' outputs are not written)."""
     N, K = dw0.shape
     has_db = db0 is not None
     if not has_db:
         db0, db1 = dw0, dw1
-    grid = (2 * triton.cdiv(N, BN) * triton.cdiv(K, BK), )
+    first, n_e = _grad_weight_experts(experts)
+    grid = (n_e * triton.cdiv(N, BN) * triton.cdiv(K, BK), )
     routed_grad_weight_kernel[grid](dy, x, perm, seg, dw0, dw1, db0, db1, N, K, dy.stride(0), x.stride(0),
-                                    dw0.stride(0), GATHER=gather, HAS_DBIAS=has_db, ACCUMULATE=accumulate,
+                                    dw0.stride(0), first, GATHER=gather, HAS_DBIAS=has_db, ACCUMULATE=accumulate,
                                     INPUT_PRECISION=input_precision, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR,
                                     GROUP_N=GROUP_N, num_warps=num_warps, num_stages=num_stages)
     return dw0, dw1, (db0 if has_db else None), (db1 if has_db else None)
 
 
 def launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, *, input_precision="tf32", BN=128, BK=128, BR=64,
-                                  GROUP_N=8, num_warps=8, num_stages=3):
-    """dy_pad [M_pad, N], x_pad [M_pad, K] expert-ordered (zero padding rows, e.g. from launch_gather_rows)."""
+                                  GROUP_N=8, num_warps=8, num_stages=3, experts=(0, 1)):
+    """dy_pad [M_pad, N], x_pad [M_pad, K] expert-ordered (zero padding rows, e.g. from launch_gather_rows).
+    experts: as in launch_routed_grad_weight."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     N, K = dw0.shape
     dy_desc = TensorDescriptor.from_tensor(dy_pad, [BR, BN])
     x_desc = TensorDescriptor.from_tensor(x_pad, [BR, BK])
-    grid = (2 * triton.cdiv(N, BN) * triton.cdiv(K, BK), )
-    routed_grad_weight_tma_kernel[grid](dy_desc, x_desc, seg, dw0, dw1, N, K, dw0.stride(0),
+    first, n_e = _grad_weight_experts(experts)
+    grid = (n_e * triton.cdiv(N, BN) * triton.cdiv(K, BK), )
+    routed_grad_weight_tma_kernel[grid](dy_desc, x_desc, seg, dw0, dw1, N, K, dw0.stride(0), first,
                                         INPUT_PRECISION=input_precision, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR,
                                         GROUP_N=GROUP_N, num_warps=num_warps, num_stages=num_stages)
     return dw0, dw1

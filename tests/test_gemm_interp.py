@@ -480,6 +480,36 @@ def test_grad_weight_accumulate():
     assert rel_err(dw0, base0 + (dy.double() * (1 - m1)).T @ x.double()) < 1e-5
 
 
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("expert", [0, 1])
+def test_grad_weight_one_expert(tma, expert):
+    """A launch of one expert (first_expert, half the grid): that expert's dW (and db) are right, and the other
+    expert's outputs, poisoned with NaN, are not touched."""
+    M, N, K = 37, 24, 40
+    gen = torch.Generator().manual_seed(13)
+    mask = make_mask("random", M, gen)
+    x, dy = rnd(gen, M, K), rnd(gen, M, N)
+    perm, seg = route(mask, align=ALIGN)
+    dw = [torch.full((N, K), float("nan")) for _ in range(2)]
+    db = [torch.full((N, ), float("nan")) for _ in range(2)]
+    if tma:
+        dy_pad = torch.full((perm.shape[0], N), float("nan"))
+        x_pad = torch.full((perm.shape[0], K), float("nan"))
+        gemm.launch_gather_rows(dy, dy_pad, perm, BLOCK_R=16, BLOCK_C=32)
+        gemm.launch_gather_rows(x, x_pad, perm, BLOCK_R=16, BLOCK_C=32)
+        gemm.launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw[0], dw[1], input_precision="ieee", BN=16, BK=16,
+                                           BR=16, experts=(expert, ))
+    else:
+        gemm.launch_routed_grad_weight(dy, x, perm, seg, dw[0], dw[1], db[0], db[1], input_precision="ieee", BN=16,
+                                       BK=16, BR=16, experts=(expert, ))
+    sel = (mask if expert == 1 else ~mask).double()[:, None]
+    assert rel_err(dw[expert], (dy.double() * sel).T @ x.double()) < 1e-5
+    assert torch.isnan(dw[1 - expert]).all()
+    if not tma:
+        assert rel_err(db[expert], (dy.double() * sel).sum(0)) < 1e-5
+        assert torch.isnan(db[1 - expert]).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", MASKS)
 def test_grad_weight_tma(dtype, kind):

@@ -174,6 +174,65 @@ def test_backward_op_direct(device, mask_kind, dtype):
     assert got[0].shape == x.shape
 
 
+GRAD_NAMES = ("grad_x", "grad_weight_v", "grad_weight_t", "grad_bias_v", "grad_bias_t")
+# output_mask cases: one of each output alone, the backward of a layer without biases, a frozen expert (CogVLM trains
+# the vision expert with the language model's weights frozen), bias-only training, nothing at all
+OUTPUT_MASKS = {"gx": (1, 0, 0, 0, 0), "gwv": (0, 1, 0, 0, 0), "gwt": (0, 0, 1, 0, 0), "gbv": (0, 0, 0, 1, 0),
+                "gbt": (0, 0, 0, 0, 1), "no_bias": (1, 1, 1, 0, 0), "frozen_t": (1, 1, 0, 1, 0),
+                "frozen_v_no_x": (0, 0, 1, 0, 1), "biases": (0, 0, 0, 1, 1), "none": (0, 0, 0, 0, 0)}
+
+
+@pytest.mark.parametrize("shape_key", ["m300", "odd", "m128al"])
+@pytest.mark.parametrize("which", list(OUTPUT_MASKS))
+def test_backward_output_mask(device, which, shape_key):
+    """linear_dual_backward(output_mask=...): the outputs asked for equal those of the full call bit for bit (and
+    the float64 reference); the others are None."""
+    want = [bool(b) for b in OUTPUT_MASKS[which]]
+    M, K, N = SHAPES[shape_key]
+    dtype = torch.bfloat16
+    x = strided_view((M,), K, dtype, device)
+    mask = make_mask("random", (M,), device)
+    wv, wt, _, _ = make_weights(N, K, dtype, device, "none")
+    g = strided_view((M,), N, dtype, device)
+    full = OPS.linear_dual_backward(g, x, mask, wv, wt)
+    poison_allocator(device, (M * K + 2 * N * K + 2 * N) * x.element_size())
+    got = OPS.linear_dual_backward(g, x, mask, wv, wt, output_mask=want)
+    zb = torch.zeros(N, dtype=dtype, device=device)
+    _, ref = reference_grads(lambda a, b, c, d, e: linear_dual_reference(a, mask, b, c, d, e),
+                             [x, wv, wt, zb, zb], g, [True] * 5)
+    for name, w, gt, ft, rg in zip(GRAD_NAMES, want, got, full, ref):
+        if not w:
+            assert gt is None, f"{name} was not asked for"
+            continue
+        assert gt is not None and gt.shape == ft.shape, name
+        assert torch.equal(gt, ft), f"{name} differs from the full call's"
+        check_grad(gt, rg, dtype, TOL[dtype], name)
+
+
+@pytest.mark.parametrize("frozen", ["x", "weight_t", "weight_v", "bias_v", "weights"])
+def test_backward_frozen_leaves(device, frozen):
+    """Autograd with some inputs not requiring grad (asks the op only for the rest): the others' gradients match the
+    float64 reference, the frozen ones stay None."""
+    M, K, N = 300, 72, 40
+    dtype = torch.bfloat16
+    x = strided_view((M,), K, dtype, device)
+    mask = make_mask("random", (M,), device)
+    wv, wt, bv, bt = make_weights(N, K, dtype, device, "both")
+    names = ("x", "weight_v", "weight_t", "bias_v", "bias_t")
+    frozen_set = {"weight_v", "weight_t"} if frozen == "weights" else {frozen}
+    leaves = [t.detach().clone().requires_grad_(n not in frozen_set) for n, t in zip(names, (x, wv, wt, bv, bt))]
+    out = OPS.linear_dual(leaves[0], mask, *leaves[1:])
+    g = torch.randn(out.shape, device=out.device).to(dtype)
+    out.backward(g)
+    _, ref = reference_grads(lambda a, b, c, d, e: linear_dual_reference(a, mask, b, c, d, e), [x, wv, wt, bv, bt], g,
+                             [True] * 5)
+    for n, leaf, rg in zip(names, leaves, ref):
+        if n in frozen_set:
+            assert leaf.grad is None, n
+        else:
+            check_grad(leaf.grad, rg, dtype, TOL[dtype], f"grad {n}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_and_leading_shape(device, layout, dtype):
@@ -502,7 +561,8 @@ def _opcheck_samples(op_name):
             ((mk(2, 3, K, rg=True), mask.reshape(2, 3), mk(N, K, rg=True), mk(N, K)), dict(bias_t=mk(N, rg=True))),
         ]
     return [((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)), {}),
-            ((mk(2, 3, N), mk(2, 3, K), mask.reshape(2, 3), mk(N, K), mk(N, K)), dict(allow_tf32=True))]
+            ((mk(2, 3, N), mk(2, 3, K), mask.reshape(2, 3), mk(N, K), mk(N, K)), dict(allow_tf32=True)),
+            ((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)), dict(output_mask=[True, True, False, False, True]))]
 
 
 @pytest.mark.parametrize("op_name", OPCHECKED)

@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <array>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -25,18 +26,24 @@ LinearDualGeometry check_linear_dual_backward_inputs(const at::Tensor& grad_out,
                                                      const at::Tensor& weight_t);
 
 using LinearDualGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// Which of the gradients to compute, in LinearDualGrads' order (grad_x, grad_weight_v, grad_weight_t, grad_bias_v,
+// grad_bias_t): the others are returned undefined and cost nothing (a frozen expert's weights, a layer without
+// biases, an input that needs no gradient).
+using LinearDualOutputMask = std::array<bool, 5>;
 
 // CPU: the ATen reference (each token only through its own expert; math in fp32, fp64 for fp64 inputs).
 at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                            const std::optional<at::Tensor>& bias_t, bool allow_tf32);
 LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
-                                         const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32);
+                                         const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
+                                         LinearDualOutputMask output_mask);
 // CUDA: routing + the routed GEMM kernels (csrc/ops/routed_gemm.h).
 at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                             const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                             const std::optional<at::Tensor>& bias_t, bool allow_tf32);
 LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
-                                          const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32);
+                                          const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
+                                          LinearDualOutputMask output_mask);
 
 }  // namespace fused

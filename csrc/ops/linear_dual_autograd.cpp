@@ -16,7 +16,7 @@ using torch::autograd::variable_list;
 using LinearDualFn = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                             const std::optional<Tensor>&, bool);
 using LinearDualBackwardFn = fused::LinearDualGrads(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                                    const Tensor&, bool);
+                                                    const Tensor&, bool, fused::LinearDualOutputMask);
 
 struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& mask, const Tensor& weight_v,
@@ -36,15 +36,16 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
                          .findSchemaOrThrow("fused::linear_dual_backward", "")
                          .typed<LinearDualBackwardFn>();
     const auto s = ctx->get_saved_variables();
+    // Only what autograd asks for is computed: no grad_x for an input that needs none, no weight gradient of a
+    // frozen expert, no bias gradient of a missing or frozen bias. needs_input_grad counts the tensor inputs given:
+    // x, mask, weight_v, weight_t, then whichever biases are there.
+    const bool has_bv = ctx->saved_data["has_bias_v"].toBool(), has_bt = ctx->saved_data["has_bias_t"].toBool();
+    const fused::LinearDualOutputMask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(2),
+                                              ctx->needs_input_grad(3), has_bv && ctx->needs_input_grad(4),
+                                              has_bt && ctx->needs_input_grad(has_bv ? 5 : 4)};
     auto [gx, gw_v, gw_t, gb_v, gb_t] = op.call(grads[0], s[0], s[1], s[2], s[3],
-                                                ctx->saved_data["allow_tf32"].toBool());
-    return {ctx->needs_input_grad(0) ? gx : Tensor(),
-            Tensor(),  // mask
-            ctx->needs_input_grad(2) ? gw_v : Tensor(),
-            ctx->needs_input_grad(3) ? gw_t : Tensor(),
-            ctx->saved_data["has_bias_v"].toBool() ? gb_v : Tensor(),
-            ctx->saved_data["has_bias_t"].toBool() ? gb_t : Tensor(),
-            Tensor()};  // allow_tf32
+                                                ctx->saved_data["allow_tf32"].toBool(), want);
+    return {gx, Tensor() /* mask */, gw_v, gw_t, gb_v, gb_t, Tensor() /* allow_tf32 */};
   }
 };
 

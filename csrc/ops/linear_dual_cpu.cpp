@@ -38,7 +38,8 @@ at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at
 }
 
 LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
-                                         const at::Tensor& weight_v, const at::Tensor& weight_t, bool /*allow_tf32*/) {
+                                         const at::Tensor& weight_v, const at::Tensor& weight_t, bool /*allow_tf32*/,
+                                         LinearDualOutputMask output_mask) {
   const LinearDualGeometry g = check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
   const auto dt = x.scalar_type();
   const auto ct = compute_type(dt);
@@ -46,22 +47,25 @@ LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::T
   const at::Tensor xr = x.reshape({g.M, g.K}).to(ct);
   const at::Tensor dy = grad_out.reshape({g.M, g.N}).to(ct);
   const at::Tensor m = mask.reshape({g.M});
-  at::Tensor gx = at::zeros({g.M, g.K}, copt);
+  const bool want_gx = output_mask[0];
+  const bool want_gw[2] = {output_mask[1], output_mask[2]}, want_gb[2] = {output_mask[3], output_mask[4]};
+  at::Tensor gx = want_gx ? at::zeros({g.M, g.K}, copt) : at::Tensor();
   at::Tensor gw[2], gb[2];
   const Expert experts[2] = {{m.nonzero().flatten(), weight_v}, {m.logical_not().nonzero().flatten(), weight_t}};
   for (int e = 0; e < 2; ++e) {
     const at::Tensor& rows = experts[e].rows;
     if (rows.numel() == 0) {
-      gw[e] = at::zeros({g.N, g.K}, copt);
-      gb[e] = at::zeros({g.N}, copt);
+      if (want_gw[e]) gw[e] = at::zeros({g.N, g.K}, copt);
+      if (want_gb[e]) gb[e] = at::zeros({g.N}, copt);
       continue;
     }
-    const at::Tensor dye = dy.index_select(0, rows), xe = xr.index_select(0, rows);
-    gx.index_copy_(0, rows, dye.matmul(experts[e].weight.to(ct)));
-    gw[e] = dye.t().matmul(xe);
-    gb[e] = dye.sum(0);
+    const at::Tensor dye = dy.index_select(0, rows);
+    if (want_gx) gx.index_copy_(0, rows, dye.matmul(experts[e].weight.to(ct)));
+    if (want_gw[e]) gw[e] = dye.t().matmul(xr.index_select(0, rows));
+    if (want_gb[e]) gb[e] = dye.sum(0);
   }
-  return {gx.to(dt).reshape(x.sizes()), gw[0].to(dt), gw[1].to(dt), gb[0].to(dt), gb[1].to(dt)};
+  const auto cast = [dt](const at::Tensor& t) { return t.defined() ? t.to(dt) : t; };
+  return {want_gx ? gx.to(dt).reshape(x.sizes()) : gx, cast(gw[0]), cast(gw[1]), cast(gb[0]), cast(gb[1])};
 }
 
 }  // namespace fused

@@ -3,7 +3,9 @@
 //   backward     route(mask) -> grad_x = routed_linear(grad_out, W_e, W_TRANSPOSED)
 //                             -> (dW_e, db_e) = routed_grad_weight(grad_out, x) in one pass
 //                (TMA: grad_out and x gathered once into expert-ordered buffers that both GEMMs read; db_e summed
-//                by grad_out's gather).
+//                by grad_out's gather). Only the gradients of output_mask are computed: no grad-input GEMM
+//                without grad_x, no x gather and no grad-weight programs for an expert without dW_e, no column
+//                sums without db_e.
 // Path: the Hopper TMA kernels on sm_90 when K and N are multiples of 16 bytes (x / grad_out gathered into an
 // expert-ordered buffer first, weights as one rank-3 descriptor; see Experts::stacked for when that copies), else
 // the pointer kernels (an aligned variant with divisibility hints when pointers, K, N and strides allow, else the
@@ -50,7 +52,8 @@ at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const a
 }
 
 LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
-                                          const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32) {
+                                          const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
+                                          LinearDualOutputMask output_mask) {
   check_cuda(grad_out, "grad_out", kOp);
   check_cuda(x, "x", kOp);
   check_cuda(mask, "mask", kOp);
@@ -59,35 +62,63 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   const LinearDualGeometry geo = check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
   c10::cuda::CUDAGuard guard(x.device());
   const auto opt = x.options();
-  at::Tensor gx = at::empty(x.sizes(), opt);
-  at::Tensor gw_v = at::empty({geo.N, geo.K}, opt), gw_t = at::empty({geo.N, geo.K}, opt);
-  at::Tensor gb_v = at::empty({geo.N}, opt), gb_t = at::empty({geo.N}, opt);
+  // Expert 0 = text, 1 = vision, as the routing numbers them.
+  const bool want_gx = output_mask[0];
+  const std::array<bool, 2> want_gw = {output_mask[2], output_mask[1]}, want_gb = {output_mask[4], output_mask[3]};
+  const auto maybe = [&](bool want, at::IntArrayRef size) { return want ? at::empty(size, opt) : at::Tensor(); };
+  at::Tensor gx = maybe(want_gx, x.sizes());
+  at::Tensor gw[2] = {maybe(want_gw[0], {geo.N, geo.K}), maybe(want_gw[1], {geo.N, geo.K})};
+  at::Tensor gb[2] = {maybe(want_gb[0], {geo.N}), maybe(want_gb[1], {geo.N})};
+  const auto result = [&]() -> LinearDualGrads { return {gx, gw[1], gw[0], gb[1], gb[0]}; };
+  const bool any_gw = want_gw[0] || want_gw[1], any_gb = want_gb[0] || want_gb[1];
   if (geo.M == 0 || geo.N == 0) {  // no rows, or no output features: every gradient is zero (or empty)
-    for (at::Tensor* t : {&gx, &gw_v, &gw_t, &gb_v, &gb_t}) t->zero_();
-    return {gx, gw_v, gw_t, gb_v, gb_t};
+    for (at::Tensor* t : {&gx, &gw[0], &gw[1], &gb[0], &gb[1]})
+      if (t->defined()) t->zero_();
+    return result();
   }
   const at::Tensor dy = as_rows(grad_out);
   if (geo.K == 0) {  // no input features: grad_x and the weight gradients are empty; db_e = Σ_{rows of e} dy
     const at::Tensor dyf = dy.to(at::kFloat);
     const at::Tensor m = mask.reshape({geo.M, 1});
-    gb_v.copy_((dyf * m).sum(0));
-    gb_t.copy_((dyf * m.logical_not()).sum(0));
-    return {gx, gw_v, gw_t, gb_v, gb_t};
+    if (want_gb[1]) gb[1].copy_((dyf * m).sum(0));
+    if (want_gb[0]) gb[0].copy_((dyf * m.logical_not()).sum(0));
+    return result();
   }
+  if (!want_gx && !any_gw && !any_gb) return result();
 
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
   const routed::Routing r = routed::route(mask);
   routed::Experts w(weight_t, weight_v, /*single=*/false);
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);
-  // TMA: dy and x gathered once into expert-ordered buffers that the grad-input and grad-weight GEMMs share; the
-  // bias gradients are summed by dy's gather (the pointer grad-weight kernel sums them itself).
-  const routed::Rows dya =
-      tma ? routed::ordered(routed::gather_rows_and_sum(g, r, dy, gb_t, gb_v)) : routed::tokens(dy);
+  // TMA: dy gathered once into an expert-ordered buffer that the grad-input and grad-weight GEMMs share, x only
+  // where a weight gradient is asked for; the bias gradients are summed by dy's gather (and both are summed when
+  // either is asked for: the second costs nothing). Pointer path: token order, rows through perm in the kernels
+  // (the grad-weight kernel sums the biases itself, for the experts it runs).
+  at::Tensor sum[2];
+  if (tma && any_gb)
+    for (int e = 0; e < 2; ++e) sum[e] = want_gb[e] ? gb[e] : at::empty({geo.N}, opt);
+  const routed::Rows dya = !tma     ? routed::tokens(dy)
+                           : any_gb ? routed::ordered(routed::gather_rows_and_sum(g, r, dy, sum[0], sum[1]))
+                                    : routed::ordered(routed::gather_rows(g, r, dy));
+  if (want_gx)
+    routed::linear(g, r, dya, w, at::Tensor(), at::Tensor(), routed::tokens(gx.view({geo.M, geo.K})),
+                   /*w_transposed=*/true, tma);
+  // The grad-weight runs the experts whose weight gradient is asked for (and, on the pointer path, whose bias
+  // gradient is); an output not asked for gets the other's buffer, which its programs never touch.
+  const std::array<bool, 2> run = {want_gw[0] || (!tma && want_gb[0]), want_gw[1] || (!tma && want_gb[1])};
+  if (!run[0] && !run[1]) return result();
+  at::Tensor dw[2], db[2];
+  for (int e = 0; e < 2; ++e) {
+    dw[e] = want_gw[e] ? gw[e] : (run[e] ? at::empty({geo.N, geo.K}, opt) : at::Tensor());
+    db[e] = tma || !any_gb ? at::Tensor() : (want_gb[e] ? gb[e] : at::empty({geo.N}, opt));
+  }
+  for (int e = 0; e < 2; ++e) {
+    if (!dw[e].defined()) dw[e] = dw[1 - e];
+    if (any_gb && !tma && !db[e].defined()) db[e] = db[1 - e];
+  }
   const routed::Rows xa = tma ? routed::ordered(routed::gather_rows(g, r, as_rows(x))) : routed::tokens(as_rows(x));
-  routed::linear(g, r, dya, w, at::Tensor(), at::Tensor(), routed::tokens(gx.view({geo.M, geo.K})),
-                 /*w_transposed=*/true, tma);
-  routed::grad_weight(g, r, dya, xa, gw_t, gw_v, tma ? at::Tensor() : gb_t, tma ? at::Tensor() : gb_v, tma);
-  return {gx, gw_v, gw_t, gb_v, gb_t};
+  routed::grad_weight(g, r, dya, xa, dw[0], dw[1], db[0], db[1], tma, run);
+  return result();
 }
 
 }  // namespace fused

@@ -14,11 +14,11 @@ Tensor fwd(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Te
 }
 
 fused::LinearDualGrads bwd(const Tensor& grad_out, const Tensor& x, const Tensor& mask, const Tensor& weight_v,
-                           const Tensor& weight_t, bool /*allow_tf32*/) {
+                           const Tensor& weight_t, bool /*allow_tf32*/, fused::LinearDualOutputMask output_mask) {
   const auto g = fused::check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
   const auto opt = x.options();
-  return {at::empty(x.sizes(), opt), at::empty({g.N, g.K}, opt), at::empty({g.N, g.K}, opt), at::empty({g.N}, opt),
-          at::empty({g.N}, opt)};
+  const auto out = [&](int i, at::IntArrayRef size) { return output_mask[i] ? at::empty(size, opt) : Tensor(); };
+  return {out(0, x.sizes()), out(1, {g.N, g.K}), out(2, {g.N, g.K}), out(3, {g.N}), out(4, {g.N})};
 }
 }  // namespace
 

@@ -541,8 +541,15 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
 }
 
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
-                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma) {
+                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma,
+                 std::array<bool, 2> experts) {
   TORCH_INTERNAL_ASSERT(dy.expert_ordered == x.expert_ordered && r.aligned && !r.identity);
+  if (r.single) experts = {true, false};
+  TORCH_INTERNAL_ASSERT(experts[0] || experts[1], "routed GEMM: grad_weight of no expert");
+  // Programs [0, per_e) compute expert first_expert, [per_e, 2 per_e) the next one: a launch of one expert (either,
+  // or the only one of a single routing) has per_e programs.
+  const int32_t first_expert = experts[0] ? 0 : 1;
+  const int64_t n_experts = (experts[0] && experts[1]) ? 2 : 1;
   ensure_routed(r);
   const int64_t N = dw0.size(0), K = dw0.size(1);
   TORCH_INTERNAL_ASSERT(N > 0 && K > 0, "routed GEMM: grad_weight needs N, K > 0 (bias gradients come from K tiles)");
@@ -560,21 +567,21 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
     const KernelConfig& c = config(g, "routed_grad_weight_tma_kernel", r.M);  // block: BN x BK x BR
     args.tensor(dy.t.data_ptr(), {r.M_pad, N}, {dy.t.stride(0), 1})
         .tensor(x.t.data_ptr(), {r.M_pad, K}, {x.t.stride(0), 1})
-        .ptr(r.seg.data_ptr()).ptr(dw0.data_ptr()).ptr(w1.data_ptr()).i32(N).i32(K).i32(dw0.stride(0));
+        .ptr(r.seg.data_ptr()).ptr(dw0.data_ptr()).ptr(w1.data_ptr()).i32(N).i32(K).i32(dw0.stride(0))
+        .i32(first_expert);
     const int64_t per_e = cdiv(N, c.block[0]) * cdiv(K, c.block[1]);
-    launch_on_current_stream("routed_grad_weight_tma_kernel", grad_weight_tma_key(g, c), args,
-                             grid((r.single ? 1 : 2) * per_e), dw0);
+    launch_on_current_stream("routed_grad_weight_tma_kernel", grad_weight_tma_key(g, c), args, grid(n_experts * per_e),
+                             dw0);
     return;
   }
   const KernelConfig& c = config(g, "routed_grad_weight_kernel", r.M);  // block: BN x BK x BR
   args.ptr(dy.t.data_ptr()).ptr(x.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
       .ptr(dw0.data_ptr()).ptr(w1.data_ptr())
       .ptr(dbias ? db0.data_ptr() : r.perm.data_ptr()).ptr(dbias ? b1.data_ptr() : r.perm.data_ptr())
-      .i32(N).i32(K).i32(dy.t.stride(0)).i32(x.t.stride(0)).i32(dw0.stride(0));
-  // Programs [0, per_e) are expert 0, [per_e, 2 per_e) expert 1: a single-expert routing launches only the first half.
+      .i32(N).i32(K).i32(dy.t.stride(0)).i32(x.t.stride(0)).i32(dw0.stride(0)).i32(first_expert);
   const int64_t per_e = cdiv(N, c.block[0]) * cdiv(K, c.block[1]);
   launch_on_current_stream("routed_grad_weight_kernel", grad_weight_key(g, !dy.expert_ordered, dbias, c), args,
-                           grid((r.single ? 1 : 2) * per_e), dw0);
+                           grid(n_experts * per_e), dw0);
 }
 
 }  // namespace routed

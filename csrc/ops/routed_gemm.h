@@ -9,6 +9,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <array>
 #include <optional>
 #include <string>
 #include <vector>
@@ -172,8 +173,11 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
 // Outputs in the input dtype (fp32 accumulation over all rows of the expert), every element written.
 // tma: the sm_90 kernel, which needs both operands expert-ordered with zero padding rows (gather_rows, or outputs of
 // expert-ordered GEMMs without bias), and sums no bias (db0 undefined; gather_rows_and_sum gives db).
+// experts: which experts' gradients to compute (at least one); the other's outputs are not touched, and its
+// programs are not launched (a frozen expert costs nothing). A single-expert routing has expert 0 only.
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
-                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma);
+                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma,
+                 std::array<bool, 2> experts = {true, true});
 
 }  // namespace routed
 }  // namespace fused

@@ -39,7 +39,9 @@ def linear_dual(
 
     Differentiable w.r.t. `x`, both weights and both biases (the op's autograd, registered in C++, calls
     `torch.ops.fused.linear_dual_backward`). The tokens of one expert never touch the other expert's weights, so
-    an expert with no tokens gets an all-zero weight (and bias) gradient.
+    an expert with no tokens gets an all-zero weight (and bias) gradient. The backward computes only the gradients
+    autograd asks for (its `output_mask`): a frozen expert's weights (``requires_grad=False``, e.g. the language
+    model's in CogVLM training), a missing bias or an `x` that needs no gradient cost no work.
 
     Args:
         x: `[..., K]` (any leading shape, `M` = its product, may be 0), any strides; float32/float16/bfloat16
