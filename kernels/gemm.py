@@ -637,9 +637,9 @@ def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_ptr, dw1_ptr, N,
     divides) and number count_e = seg[3 + e]; the loop stops at the first multiple of BLOCK_R past them, not at the
     segment's padded end (on average half an ALIGN of zero rows per expert not read: ~1.5% of the steps at 2048 rows
     per expert). The padding rows it does read are zero, so every step is a whole, unmasked TMA tile. Grid
-    (E * cdiv(N, BN) * cdiv(K, BK),) with first_expert as the pointer kernel; no atomics, deterministic. Bias gradients are not summed
-    here: a row sum in the loop costs every program a pass of the dY tile through registers (they come from dY's
-    gather: gather_rows_kernel(COLSUM), then expert_colsum_kernel)."""
+    (E * cdiv(N, BN) * cdiv(K, BK),) with first_expert as the pointer kernel; no atomics, deterministic. Bias
+    gradients are not summed here: a row sum in the loop costs every program a pass of the dY tile through registers
+    (they come from dY's gather: gather_rows_kernel(COLSUM), then expert_colsum_kernel)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)

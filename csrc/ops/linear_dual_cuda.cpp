@@ -62,15 +62,15 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   const LinearDualGeometry geo = check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
   c10::cuda::CUDAGuard guard(x.device());
   const auto opt = x.options();
-  // Expert 0 = text, 1 = vision, as the routing numbers them.
-  const bool want_gx = output_mask[0];
-  const std::array<bool, 2> want_gw = {output_mask[2], output_mask[1]}, want_gb = {output_mask[4], output_mask[3]};
-  const auto maybe = [&](bool want, at::IntArrayRef size) { return want ? at::empty(size, opt) : at::Tensor(); };
-  at::Tensor gx = maybe(want_gx, x.sizes());
-  at::Tensor gw[2] = {maybe(want_gw[0], {geo.N, geo.K}), maybe(want_gw[1], {geo.N, geo.K})};
-  at::Tensor gb[2] = {maybe(want_gb[0], {geo.N}), maybe(want_gb[1], {geo.N})};
+  // The outputs asked for (output_mask: grad_x, grad_weight_v, grad_weight_t, grad_bias_v, grad_bias_t); the others
+  // stay undefined. Expert 0 = text, 1 = vision, as the routing numbers them.
+  const auto maybe = [&](int i, at::IntArrayRef size) { return output_mask[i] ? at::empty(size, opt) : at::Tensor(); };
+  at::Tensor gx = maybe(0, x.sizes());
+  at::Tensor gw[2] = {maybe(2, {geo.N, geo.K}), maybe(1, {geo.N, geo.K})};
+  at::Tensor gb[2] = {maybe(4, {geo.N}), maybe(3, {geo.N})};
   const auto result = [&]() -> LinearDualGrads { return {gx, gw[1], gw[0], gb[1], gb[0]}; };
-  const bool any_gw = want_gw[0] || want_gw[1], any_gb = want_gb[0] || want_gb[1];
+  const bool want_gx = gx.defined(), any_gw = gw[0].defined() || gw[1].defined();
+  const bool any_gb = gb[0].defined() || gb[1].defined();
   if (geo.M == 0 || geo.N == 0) {  // no rows, or no output features: every gradient is zero (or empty)
     for (at::Tensor* t : {&gx, &gw[0], &gw[1], &gb[0], &gb[1]})
       if (t->defined()) t->zero_();
@@ -80,8 +80,8 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   if (geo.K == 0) {  // no input features: grad_x and the weight gradients are empty; db_e = Σ_{rows of e} dy
     const at::Tensor dyf = dy.to(at::kFloat);
     const at::Tensor m = mask.reshape({geo.M, 1});
-    if (want_gb[1]) gb[1].copy_((dyf * m).sum(0));
-    if (want_gb[0]) gb[0].copy_((dyf * m.logical_not()).sum(0));
+    if (gb[1].defined()) gb[1].copy_((dyf * m).sum(0));
+    if (gb[0].defined()) gb[0].copy_((dyf * m.logical_not()).sum(0));
     return result();
   }
   if (!want_gx && !any_gw && !any_gb) return result();
@@ -91,33 +91,18 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   routed::Experts w(weight_t, weight_v, /*single=*/false);
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);
   // TMA: dy gathered once into an expert-ordered buffer that the grad-input and grad-weight GEMMs share, x only
-  // where a weight gradient is asked for; the bias gradients are summed by dy's gather (and both are summed when
-  // either is asked for: the second costs nothing). Pointer path: token order, rows through perm in the kernels
-  // (the grad-weight kernel sums the biases itself, for the experts it runs).
-  at::Tensor sum[2];
-  if (tma && any_gb)
-    for (int e = 0; e < 2; ++e) sum[e] = want_gb[e] ? gb[e] : at::empty({geo.N}, opt);
+  // where a weight gradient is asked for; the bias gradients are summed by dy's gather. Pointer path: token order,
+  // rows through perm in the kernels (the grad-weight kernel sums the biases itself, for the experts it runs).
   const routed::Rows dya = !tma     ? routed::tokens(dy)
-                           : any_gb ? routed::ordered(routed::gather_rows_and_sum(g, r, dy, sum[0], sum[1]))
+                           : any_gb ? routed::ordered(routed::gather_rows_and_sum(g, r, dy, gb[0], gb[1]))
                                     : routed::ordered(routed::gather_rows(g, r, dy));
   if (want_gx)
     routed::linear(g, r, dya, w, at::Tensor(), at::Tensor(), routed::tokens(gx.view({geo.M, geo.K})),
                    /*w_transposed=*/true, tma);
-  // The grad-weight runs the experts whose weight gradient is asked for (and, on the pointer path, whose bias
-  // gradient is); an output not asked for gets the other's buffer, which its programs never touch.
-  const std::array<bool, 2> run = {want_gw[0] || (!tma && want_gb[0]), want_gw[1] || (!tma && want_gb[1])};
-  if (!run[0] && !run[1]) return result();
-  at::Tensor dw[2], db[2];
-  for (int e = 0; e < 2; ++e) {
-    dw[e] = want_gw[e] ? gw[e] : (run[e] ? at::empty({geo.N, geo.K}, opt) : at::Tensor());
-    db[e] = tma || !any_gb ? at::Tensor() : (want_gb[e] ? gb[e] : at::empty({geo.N}, opt));
-  }
-  for (int e = 0; e < 2; ++e) {
-    if (!dw[e].defined()) dw[e] = dw[1 - e];
-    if (any_gb && !tma && !db[e].defined()) db[e] = db[1 - e];
-  }
+  if (!any_gw && (tma || !any_gb)) return result();
   const routed::Rows xa = tma ? routed::ordered(routed::gather_rows(g, r, as_rows(x))) : routed::tokens(as_rows(x));
-  routed::grad_weight(g, r, dya, xa, dw[0], dw[1], db[0], db[1], tma, run);
+  // Only the experts with an output asked for run (routed::grad_weight).
+  routed::grad_weight(g, r, dya, xa, gw[0], gw[1], tma ? at::Tensor() : gb[0], tma ? at::Tensor() : gb[1], tma);
   return result();
 }
 

@@ -329,13 +329,16 @@ at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src, c
   return launch_gather(g, r, src, at::Tensor(), into);
 }
 
-at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& sum0,
-                               const at::Tensor& sum1) {
-  // The column sums of a block of 32 rows belong to one expert only on an aligned routing.
-  TORCH_INTERNAL_ASSERT(!r.single && r.aligned && sum0.numel() == src.size(1) && sum1.numel() == src.size(1) &&
-                        sum0.is_contiguous() && sum1.is_contiguous() && sum0.scalar_type() == src.scalar_type() &&
-                        sum1.scalar_type() == src.scalar_type());
+at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& sum0_in,
+                               const at::Tensor& sum1_in) {
   const int64_t C = src.size(1), blocks = cdiv(r.M_pad, kGatherRows);
+  // One kernel writes both sums: an undefined one (not asked for) gets a scratch vector.
+  const auto or_scratch = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({C}, src.options()); };
+  const at::Tensor sum0 = or_scratch(sum0_in), sum1 = or_scratch(sum1_in);
+  // The column sums of a block of 32 rows belong to one expert only on an aligned routing.
+  TORCH_INTERNAL_ASSERT(!r.single && r.aligned && sum0.numel() == C && sum1.numel() == C && sum0.is_contiguous() &&
+                        sum1.is_contiguous() && sum0.scalar_type() == src.scalar_type() &&
+                        sum1.scalar_type() == src.scalar_type());
   // Per-block fp32 column sums ([M_pad / 32, C], 1/16 of dst's bytes for bf16), added up per expert by a second
   // kernel: deterministic, and no second pass over the rows.
   at::Tensor colsum = at::empty({blocks, C}, src.options().dtype(at::kFloat));
@@ -540,25 +543,39 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
   return true;
 }
 
-void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
-                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma,
-                 std::array<bool, 2> experts) {
+void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0_in,
+                 const at::Tensor& dw1_in, const at::Tensor& db0_in, const at::Tensor& db1_in, bool tma) {
   TORCH_INTERNAL_ASSERT(dy.expert_ordered == x.expert_ordered && r.aligned && !r.identity);
-  if (r.single) experts = {true, false};
-  TORCH_INTERNAL_ASSERT(experts[0] || experts[1], "routed GEMM: grad_weight of no expert");
-  // Programs [0, per_e) compute expert first_expert, [per_e, 2 per_e) the next one: a launch of one expert (either,
-  // or the only one of a single routing) has per_e programs.
-  const int32_t first_expert = experts[0] ? 0 : 1;
-  const int64_t n_experts = (experts[0] && experts[1]) ? 2 : 1;
-  ensure_routed(r);
-  const int64_t N = dw0.size(0), K = dw0.size(1);
+  const int64_t N = dy.t.size(1), K = x.t.size(1);
   TORCH_INTERNAL_ASSERT(N > 0 && K > 0, "routed GEMM: grad_weight needs N, K > 0 (bias gradients come from K tiles)");
   check_rows(r, dy, N, "dy");
   check_rows(r, x, K, "x");
-  const at::Tensor& w1 = r.single ? dw0 : dw1;
-  TORCH_INTERNAL_ASSERT(dw0.is_contiguous() && w1.sizes() == dw0.sizes() && w1.strides() == dw0.strides());
-  const bool dbias = db0.defined();
-  const at::Tensor& b1 = r.single ? db0 : db1;
+  // An expert is computed when one of its outputs is asked for (a single routing has expert 0 only). A computed
+  // expert's output not asked for gets a scratch buffer; an expert not computed gets the other's pointers, which its
+  // programs, never launched, do not touch.
+  const at::Tensor* dw_in[2] = {&dw0_in, &dw1_in};
+  const at::Tensor* db_in[2] = {&db0_in, &db1_in};
+  const bool dbias = db0_in.defined() || (!r.single && db1_in.defined());
+  bool run[2];
+  at::Tensor dw[2], db[2];
+  for (int e = 0; e < 2; ++e) {
+    run[e] = (e == 0 || !r.single) && (dw_in[e]->defined() || (dbias && db_in[e]->defined()));
+    dw[e] = dw_in[e]->defined() ? *dw_in[e] : run[e] ? at::empty({N, K}, dy.t.options()) : at::Tensor();
+    if (dbias) db[e] = db_in[e]->defined() ? *db_in[e] : run[e] ? at::empty({N}, dy.t.options()) : at::Tensor();
+  }
+  TORCH_INTERNAL_ASSERT(run[0] || run[1], "routed GEMM: grad_weight of no expert");
+  for (int e = 0; e < 2; ++e) {
+    if (!dw[e].defined()) dw[e] = dw[1 - e];
+    if (dbias && !db[e].defined()) db[e] = db[1 - e];
+  }
+  // Programs [0, per_e) compute expert first_expert, [per_e, 2 per_e) the next one: a launch of one expert (either,
+  // or the only one of a single routing) has per_e programs.
+  const int32_t first_expert = run[0] ? 0 : 1;
+  const int64_t n_experts = (run[0] && run[1]) ? 2 : 1;
+  ensure_routed(r);
+  const at::Tensor &dw0 = dw[0], &w1 = dw[1], &db0 = db[0], &b1 = db[1];
+  TORCH_INTERNAL_ASSERT(dw0.size(0) == N && dw0.size(1) == K && dw0.is_contiguous() && w1.sizes() == dw0.sizes() &&
+                        w1.strides() == dw0.strides());
   if (dbias) TORCH_INTERNAL_ASSERT(db0.numel() == N && b1.numel() == N && db0.is_contiguous() && b1.is_contiguous());
   KernelArgs args;
   if (tma) {

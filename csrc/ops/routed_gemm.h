@@ -9,7 +9,6 @@
 #pragma once
 #include <ATen/ATen.h>
 
-#include <array>
 #include <optional>
 #include <string>
 #include <vector>
@@ -141,7 +140,8 @@ inline Rows ordered(const at::Tensor& t) { return {t, true}; }
 // dtype; e.g. the op's output, whose rows are written only after the gathered rows were last read).
 at::Tensor gather_rows(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& into = at::Tensor());
 // gather_rows of a two-expert routing, and sum_e = the sum of src's rows of expert e ([C] each, dtype of src, fp32
-// accumulation in a fixed order): the bias gradients from the gather of dY, with no second pass over it.
+// accumulation in a fixed order): the bias gradients from the gather of dY, with no second pass over it. An
+// undefined sum_e is not returned (at least one must be defined).
 at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& sum0,
                                const at::Tensor& sum1);
 
@@ -173,11 +173,10 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
 // Outputs in the input dtype (fp32 accumulation over all rows of the expert), every element written.
 // tma: the sm_90 kernel, which needs both operands expert-ordered with zero padding rows (gather_rows, or outputs of
 // expert-ordered GEMMs without bias), and sums no bias (db0 undefined; gather_rows_and_sum gives db).
-// experts: which experts' gradients to compute (at least one); the other's outputs are not touched, and its
-// programs are not launched (a frozen expert costs nothing). A single-expert routing has expert 0 only.
+// An undefined output is not computed: an expert with neither dW_e nor db_e defined launches no programs (a frozen
+// expert costs nothing); at least one expert must have one. A single-expert routing has expert 0 only.
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0,
-                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma,
-                 std::array<bool, 2> experts = {true, true});
+                 const at::Tensor& dw1, const at::Tensor& db0, const at::Tensor& db1, bool tma);
 
 }  // namespace routed
 }  // namespace fused
