@@ -21,7 +21,8 @@ DualExpertSwiGLU stores them):
           allocated before, minus the output (target <= M*I elements of x's dtype), dual rand50 and single.
   bwd     ffn_backward (grad x and every weight grad; it recomputes the forward GEMMs, the schema saves nothing) vs
           the cuBLAS time of the same GEMMs on all M rows, forward recompute included: x·[W1;W3]ᵀ, dY·W2, dYᵀ·h,
-          dG·[W1;W3], dGᵀ·x = 16·M·H·I FLOPs (target <= 1.15x), dual rand50 and single.
+          dG·[W1;W3], dGᵀ·x = 16·M·H·I FLOPs (target <= 1.15x), dual rand50 and single; dual rand50 with the text
+          expert frozen (output_mask: grad x and the vision weights only) as information.
   decode  M = 1, 2, 4, 8, 16: bandwidth of reading the weights (3·I·H·2 bytes per expert used) vs the device copy
           bandwidth (read + write; copies of one and of two experts' bytes, the higher of the two is the ceiling;
           target >= 80%), single and dual (random mask with both experts present for M >= 2).
@@ -364,6 +365,11 @@ def case_bwd(res: Results, opts, ctx):
 
         f = measure(res, opts, case, IMPL_FUSED, fused, sets, flops, check=chk,
                     note="grad x + " + ("6" if m is not None else "3") + " weight grads")
+        if m is not None:  # frozen text expert: half of dw2's and dw1/dw3's FLOPs (3 of 16 M·H·I) are not asked for
+            frozen = lambda g, x, args=args: torch.ops.fused.ffn_backward(  # noqa: E731
+                g, x, *args, output_mask=[True] * 4 + [False] * 3)
+            measure(res, opts, case, IMPL_FUSED + " frozen text", frozen, sets, flops * 13 / 16,
+                    check=lambda fn=frozen: chk(fn), note="info: grad x and the vision expert's 3 weight grads")
         paired = paired_ratio(res, opts, case, fused, cublas, sets)
         res.target(f"{case}: ffn_backward time / cuBLAS GEMM time", paired[0], TARGET_BWD_VS_CUBLAS, True, "x",
                    rows=[f, r_cub], why=paired_note(ratio(f, r_cub), paired))

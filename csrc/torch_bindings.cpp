@@ -35,9 +35,13 @@ TORCH_LIBRARY(fused, m) {
   // SwiGLU MLP w2(silu(x·w1ᵀ) ⊙ x·w3ᵀ); dual expert (mask, u*): token i uses w* if mask[i] (vision) else u* (text).
   m.def("ffn(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, Tensor? u3=None, "
         "Tensor? u2=None, bool allow_tf32=False) -> Tensor");
-  // Gradients of ffn, recomputing gate/up from x: [grad_x, grad_w1, grad_w3, grad_w2] (+ grad_u1, grad_u3, grad_u2).
+  // Gradients of ffn, recomputing gate/up from x: (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2), the
+  // u gradients None for the single expert. output_mask says which to compute, in that order; the others are
+  // returned undefined (None), and their work is skipped.
   m.def("ffn_backward(Tensor grad_out, Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, "
-        "Tensor? u3=None, Tensor? u2=None, bool allow_tf32=False) -> Tensor[]");
+        "Tensor? u3=None, Tensor? u2=None, bool allow_tf32=False, "
+        "bool[7] output_mask=[True, True, True, True, True, True, True]) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Turns the input checks that read device memory (cu_seqlens, start_positions: a host sync) on or off;
   // returns the previous setting. They are always skipped during CUDA graph capture.
   m.def("set_sync_checks(bool enabled) -> bool", [](bool enabled) { return fused::set_sync_checks(enabled); });

@@ -177,7 +177,8 @@ def test_backward_matrix(device, mask_kind, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
 @pytest.mark.parametrize("mask_kind", ["single", "random", "all_false"])
 def test_backward_op_direct(device, mask_kind, dtype):
-    """ffn_backward called directly: [grad_x, grad_w1, grad_w3, grad_w2] (+ [grad_u1, grad_u3, grad_u2])."""
+    """ffn_backward called directly: (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2), the u gradients
+    None for the single expert."""
     M, H, I = 37, 24, 72  # noqa: E741
     dual = mask_kind != "single"
     x = strided_view((M,), H, dtype, device)
@@ -187,11 +188,77 @@ def test_backward_op_direct(device, mask_kind, dtype):
     poison_allocator(device, (M * H + 7 * H * I) * x.element_size())
     got = OPS.ffn_backward(g, x, *op_args(w, mask))
     names = [n for n in W_NAMES if n in w]
-    assert isinstance(got, (list, tuple)) and len(got) == 1 + len(names)
+    assert isinstance(got, tuple) and len(got) == 7
+    assert all(t is None for t in got[1 + len(names):]), "the single expert has no u gradients"
     _, ref = reference_grads(lambda a, *ws: ffn_reference(a, *op_args(dict(zip(names, ws)), mask)),
                              [x] + [w[n] for n in names], g, [True] * (1 + len(names)))
     for name, gt, rg in zip(["grad_x"] + [f"grad_{n}" for n in names], got, ref):
         check_grad(gt, rg, dtype, TOL[dtype], name)
+
+
+GRAD_NAMES = tuple(["grad_x"] + [f"grad_{n}" for n in W_NAMES])
+# output_mask cases: one output alone, a frozen text expert (CogVLM trains the vision expert with the language model's
+# weights frozen), a frozen vision expert and no grad_x, weight gradients only, grad_x only through two weights,
+# nothing at all. For the single expert the last three entries are ignored (its u gradients are always None).
+OUTPUT_MASKS = {"gx": (1, 0, 0, 0, 0, 0, 0), "gw1": (0, 1, 0, 0, 0, 0, 0), "gw3": (0, 0, 1, 0, 0, 0, 0),
+                "gw2": (0, 0, 0, 1, 0, 0, 0), "gu2": (0, 0, 0, 0, 0, 0, 1), "frozen_t": (1, 1, 1, 1, 0, 0, 0),
+                "frozen_v_no_x": (0, 0, 0, 0, 1, 1, 1), "weights": (0, 1, 1, 1, 1, 1, 1),
+                "gx_w13": (1, 1, 1, 0, 1, 1, 0), "none": (0, 0, 0, 0, 0, 0, 0)}
+
+
+@pytest.mark.parametrize("dual", [False, True], ids=["single", "dual"])
+@pytest.mark.parametrize("shape_key", ["m300", "odd", "m128al"])
+@pytest.mark.parametrize("which", list(OUTPUT_MASKS))
+def test_backward_output_mask(device, which, shape_key, dual):
+    """ffn_backward(output_mask=...): the outputs asked for equal those of the full call bit for bit (and the float64
+    reference); the others are None."""
+    want = [bool(b) for b in OUTPUT_MASKS[which]]
+    M, H, I = SHAPES[shape_key]  # noqa: E741
+    dtype = torch.bfloat16
+    x = strided_view((M,), H, dtype, device)
+    mask = make_mask("random", (M,), device) if dual else None
+    w = make_weights(H, I, dtype, device, dual)
+    g = strided_view((M,), H, dtype, device)
+    full = OPS.ffn_backward(g, x, *op_args(w, mask))
+    poison_allocator(device, (M * H + 7 * H * I) * x.element_size())
+    got = OPS.ffn_backward(g, x, *op_args(w, mask), output_mask=want)
+    assert isinstance(got, tuple) and len(got) == 7
+    names = [n for n in W_NAMES if n in w]
+    _, ref = reference_grads(lambda a, *ws: ffn_reference(a, *op_args(dict(zip(names, ws)), mask)),
+                             [x] + [w[n] for n in names], g, [True] * (1 + len(names)))
+    for i, (name, gt, ft) in enumerate(zip(GRAD_NAMES, got, full)):
+        if not want[i] or i > len(names):
+            assert gt is None, f"{name} was not asked for (or does not exist)"
+            continue
+        assert gt is not None and gt.shape == ft.shape, name
+        assert torch.equal(gt, ft), f"{name} differs from the full call's"
+        check_grad(gt, ref[i], dtype, TOL[dtype], name)
+
+
+@pytest.mark.parametrize("frozen", ["x", "text", "vision", "w2", "all_weights"])
+def test_backward_frozen_leaves(device, frozen):
+    """Autograd with some inputs not requiring grad (asks the op only for the rest): the others' gradients match the
+    float64 reference, the frozen ones stay None."""
+    M, H, I = 300, 72, 40  # noqa: E741
+    dtype = torch.bfloat16
+    x = strided_view((M,), H, dtype, device)
+    mask = make_mask("random", (M,), device)
+    w = make_weights(H, I, dtype, device)
+    frozen_set = {"x": {"x"}, "text": {"u1", "u3", "u2"}, "vision": {"w1", "w3", "w2"}, "w2": {"w2", "u2"},
+                  "all_weights": set(W_NAMES)}[frozen]
+    names = ("x",) + W_NAMES
+    leaves = {n: t.detach().clone().requires_grad_(n not in frozen_set) for n, t in zip(names, [x] + [w[n] for n in
+                                                                                                    W_NAMES])}
+    out = OPS.ffn(leaves["x"], *op_args({n: leaves[n] for n in W_NAMES}, mask))
+    g = torch.randn(out.shape, device=out.device).to(dtype)
+    out.backward(g)
+    _, ref = reference_grads(lambda a, *ws: ffn_reference(a, *op_args(dict(zip(W_NAMES, ws)), mask)),
+                             [x] + [w[n] for n in W_NAMES], g, [True] * 7)
+    for n, rg in zip(names, ref):
+        if n in frozen_set:
+            assert leaves[n].grad is None, n
+        else:
+            check_grad(leaves[n].grad, rg, dtype, TOL[dtype], f"grad {n}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
@@ -226,7 +293,7 @@ def test_empty(device, lead, dual):
     sync(device)
     assert grads[0].shape == x.shape
     names = [n for n in W_NAMES if n in w]
-    assert len(grads) == 1 + len(names)
+    assert len(grads) == 7 and all(t is None for t in grads[1 + len(names):])
     for n, gt in zip(names, grads[1:]):
         assert gt.shape == w[n].shape, n
         assert not bool(gt.any()) and bool(torch.isfinite(gt).all()), f"grad {n} must be zero for M = 0"
@@ -566,7 +633,9 @@ def _opcheck_samples(op_name):
             ((mk(M, H), *ws(True)), dict(mask=mask, u1=mk(I, H), u3=mk(I, H), u2=mk(H, I, rg=True))),
         ]
     return [((mk(M, H), mk(M, H), *ws()), {}),
-            ((mk(2, 3, H), mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), dict(allow_tf32=True))]
+            ((mk(2, 3, H), mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), dict(allow_tf32=True)),
+            ((mk(M, H), mk(M, H), *ws(), mask, *ws()), dict(output_mask=[True, True, True, True, False, False, False])),
+            ((mk(M, H), mk(M, H), *ws()), dict(output_mask=[False, False, True, False, True, True, True]))]
 
 
 @pytest.mark.parametrize("op_name", OPCHECKED)
@@ -607,8 +676,14 @@ def test_meta_device():
             out = OPS.ffn(x, w13, w13, w2, m, *us)
             assert out.device.type == "meta" and out.dtype == torch.bfloat16 and out.shape == x.shape
             grads = OPS.ffn_backward(x, x, w13, w13, w2, m, *us)
-            assert len(grads) == (4 if m is None else 7) and grads[0].shape == x.shape
+            assert len(grads) == 7 and grads[0].shape == x.shape
             assert [tuple(t.shape) for t in grads[1:4]] == [(24, 40), (24, 40), (40, 24)]
+            if m is None:
+                assert grads[4:] == (None, None, None)
+            else:
+                assert [tuple(t.shape) for t in grads[4:]] == [(24, 40), (24, 40), (40, 24)]
+            some = OPS.ffn_backward(x, x, w13, w13, w2, m, *us, output_mask=[False, True] + [False] * 5)
+            assert some[1].shape == (24, 40) and some[0] is None and all(t is None for t in some[2:])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <array>
 #include <optional>
-#include <vector>
+#include <tuple>
 
 namespace fused {
 
@@ -31,12 +32,17 @@ FfnGeometry check_ffn_backward_inputs(const at::Tensor& grad_out, const at::Tens
       const std::optional<at::Tensor>&u1, const std::optional<at::Tensor>&u3, const std::optional<at::Tensor>&u2, \
       bool allow_tf32
 
+// (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2); the u gradients are undefined for the single expert.
+using FfnGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// Which of FfnGrads to compute, in its order: the others are returned undefined, and their work is skipped (a frozen
+// expert's weights, an input that needs no gradient). The last three are ignored for the single expert.
+using FfnOutputMask = std::array<bool, 7>;
+
 // CPU: the ATen reference (each token only through its own expert; math in fp32, fp64 for fp64 inputs).
 at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS);
-// [grad_x, grad_w1, grad_w3, grad_w2] (+ [grad_u1, grad_u3, grad_u2] for the dual expert).
-std::vector<at::Tensor> ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS);
+FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask);
 // CUDA: routing + the routed GEMM kernels (csrc/ops/routed_gemm.h).
 at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS);
-std::vector<at::Tensor> ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS);
+FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask);
 
 }  // namespace fused

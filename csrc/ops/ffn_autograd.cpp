@@ -16,8 +16,8 @@ using OptT = std::optional<Tensor>;
 
 using FfnFn = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptT&, const OptT&, const OptT&,
                      const OptT&, bool);
-using FfnBackwardFn = std::vector<Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                          const OptT&, const OptT&, const OptT&, const OptT&, bool);
+using FfnBackwardFn = fused::FfnGrads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      const OptT&, const OptT&, const OptT&, const OptT&, bool, fused::FfnOutputMask);
 
 OptT opt(const Tensor& t) { return t.defined() ? OptT(t) : std::nullopt; }
 
@@ -37,11 +37,17 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
         c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn_backward", "").typed<FfnBackwardFn>();
     const auto s = ctx->get_saved_variables();
     const bool dual = s[5].defined();
-    std::vector<Tensor> g = op.call(grads[0], s[0], s[1], s[2], s[3], opt(s[4]), opt(s[5]), opt(s[6]), opt(s[7]),
-                                    ctx->saved_data["allow_tf32"].toBool());
-    // Inputs: x, w1, w3, w2, mask, u1, u3, u2, allow_tf32. Gradients of inputs that need none are dropped by autograd.
-    return {g[0], g[1], g[2], g[3], Tensor(), dual ? g[4] : Tensor(), dual ? g[5] : Tensor(), dual ? g[6] : Tensor(),
-            Tensor()};
+    // Only what autograd asks for is computed: no grad_x for an input that needs none, no weight gradient of a
+    // frozen weight (CogVLM trains the vision expert with the language model's weights frozen). needs_input_grad
+    // counts the tensor inputs given: x, w1, w3, w2, then mask, u1, u3, u2 for the dual expert.
+    const auto need = [&](size_t i) { return ctx->needs_input_grad(i); };
+    const fused::FfnOutputMask want = {need(0), need(1), need(2), need(3), dual && need(5), dual && need(6),
+                                       dual && need(7)};
+    auto [gx, gw1, gw3, gw2, gu1, gu3, gu2] = op.call(grads[0], s[0], s[1], s[2], s[3], opt(s[4]), opt(s[5]),
+                                                      opt(s[6]), opt(s[7]), ctx->saved_data["allow_tf32"].toBool(),
+                                                      want);
+    // Inputs: x, w1, w3, w2, mask, u1, u3, u2, allow_tf32.
+    return {gx, gw1, gw3, gw2, Tensor() /* mask */, gu1, gu3, gu2, Tensor() /* allow_tf32 */};
   }
 };
 

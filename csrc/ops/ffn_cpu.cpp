@@ -3,6 +3,8 @@
 // in x's dtype. allow_tf32 does not apply on the CPU. Not tuned for speed.
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "ops/ffn.h"
 #include "ops/routed_gemm.h"
 
@@ -48,20 +50,27 @@ at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS) {
   return out.to(x.scalar_type()).reshape(x.sizes());
 }
 
-std::vector<at::Tensor> ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS) {
+FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask) {
   const FfnGeometry g = check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2);
   const auto dt = x.scalar_type();
   const auto ct = compute_type(dt);
   const auto copt = x.options().dtype(ct);
   const at::Tensor xr = x.reshape({g.M, g.H}).to(ct);
   const at::Tensor dy = grad_out.reshape({g.M, g.H}).to(ct);
-  at::Tensor gx = at::zeros({g.M, g.H}, copt);
-  std::vector<at::Tensor> out = {at::Tensor()};  // grad_x, then (grad_w1, grad_w3, grad_w2) per expert
-  for (const Expert& e : experts(g, w1, w3, w2, mask, u1, u3, u2, ct)) {
+  const bool want_gx = output_mask[0];
+  at::Tensor gx = want_gx ? at::zeros({g.M, g.H}, copt) : at::Tensor();
+  at::Tensor gw[6];  // (grad_w1, grad_w3, grad_w2) per expert, in experts()' order (as the op returns them)
+  const std::vector<Expert> es = experts(g, w1, w3, w2, mask, u1, u3, u2, ct);
+  for (size_t i = 0; i < es.size(); ++i) {
+    const Expert& e = es[i];
+    const bool* want = &output_mask[1 + 3 * i];  // this expert's (w1, w3, w2)
     if (count(e, g.M) == 0) {
-      out.insert(out.end(), {at::zeros({g.I, g.H}, copt), at::zeros({g.I, g.H}, copt), at::zeros({g.H, g.I}, copt)});
+      if (want[0]) gw[3 * i] = at::zeros({g.I, g.H}, copt);
+      if (want[1]) gw[3 * i + 1] = at::zeros({g.I, g.H}, copt);
+      if (want[2]) gw[3 * i + 2] = at::zeros({g.H, g.I}, copt);
       continue;
     }
+    if (!want_gx && !want[0] && !want[1] && !want[2]) continue;
     const at::Tensor xe = rows_of(xr, e.rows), dye = rows_of(dy, e.rows);
     const at::Tensor gate = xe.matmul(e.w1.t()), up = xe.matmul(e.w3.t());
     const at::Tensor s = at::sigmoid(gate);
@@ -70,14 +79,18 @@ std::vector<at::Tensor> ffn_backward_cpu(const at::Tensor& grad_out, const at::T
     const at::Tensor dh = dye.matmul(e.w2);                  // [n, I]
     const at::Tensor dup = dh * act;
     const at::Tensor dgate = dh * up * (s + act * (1 - s));  // silu'(g) = s (1 + g (1 - s))
-    const at::Tensor dxe = dgate.matmul(e.w1) + dup.matmul(e.w3);
-    if (e.rows.defined()) gx.index_copy_(0, e.rows, dxe);
-    else gx.copy_(dxe);
-    out.insert(out.end(), {dgate.t().matmul(xe), dup.t().matmul(xe), dye.t().matmul(h)});
+    if (want_gx) {
+      const at::Tensor dxe = dgate.matmul(e.w1) + dup.matmul(e.w3);
+      if (e.rows.defined()) gx.index_copy_(0, e.rows, dxe);
+      else gx.copy_(dxe);
+    }
+    if (want[0]) gw[3 * i] = dgate.t().matmul(xe);
+    if (want[1]) gw[3 * i + 1] = dup.t().matmul(xe);
+    if (want[2]) gw[3 * i + 2] = dye.t().matmul(h);
   }
-  out[0] = gx.reshape(x.sizes());
-  for (at::Tensor& t : out) t = t.to(dt);
-  return out;
+  const auto cast = [dt](const at::Tensor& t) { return t.defined() ? t.to(dt) : t; };
+  return {want_gx ? gx.to(dt).reshape(x.sizes()) : gx, cast(gw[0]), cast(gw[1]), cast(gw[2]), cast(gw[3]),
+          cast(gw[4]), cast(gw[5])};
 }
 
 }  // namespace fused

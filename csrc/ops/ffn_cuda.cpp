@@ -24,6 +24,8 @@
 //   dx = dgate·w1 + dup·w3                              (two routed_linear grad-input passes, summed)
 //   TMA path: x and dy are gathered once and every intermediate is expert-ordered ([M_pad, .]); pointer path:
 //   intermediates in token order ([M, .]), rows gathered / scattered through perm inside the kernels.
+//   output_mask: the grad-weight GEMMs run only for the weights asked for (one expert's programs where the other is
+//   frozen), the grad-input GEMMs only for grad_x; the recompute (dh, h, dup, dgate) always.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -103,32 +105,34 @@ at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS) {
   return out.view(x.sizes());
 }
 
-std::vector<at::Tensor> ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS) {
+FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS,
+                           FfnOutputMask output_mask) {
   check_all_cuda(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
   check_cuda(grad_out, "grad_out", kOp);
   const FfnGeometry geo = check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2);
   c10::cuda::CUDAGuard guard(x.device());
   const auto opt = x.options();
+  // Per expert e (0 = text, 1 = vision; single: 0 only): grad of the gate, up and down weights where asked for
+  // (output_mask: vision = w* at 1..3, text = u* at 4..6; the single expert's w* at 1..3).
+  at::Tensor dw1[2], dw3[2], dw2[2];
   const int64_t E = geo.dual ? 2 : 1;
-  // Per expert e (0 = text, 1 = vision; single: 0 only): grad of the gate, up and down weights.
-  std::vector<at::Tensor> dw1(E), dw3(E), dw2(E);
   for (int64_t e = 0; e < E; ++e) {
-    dw1[e] = at::empty({geo.I, geo.H}, opt);
-    dw3[e] = at::empty({geo.I, geo.H}, opt);
-    dw2[e] = at::empty({geo.H, geo.I}, opt);
+    const bool* want = &output_mask[geo.dual && e == 0 ? 4 : 1];
+    if (want[0]) dw1[e] = at::empty({geo.I, geo.H}, opt);
+    if (want[1]) dw3[e] = at::empty({geo.I, geo.H}, opt);
+    if (want[2]) dw2[e] = at::empty({geo.H, geo.I}, opt);
   }
-  at::Tensor gx = at::empty(x.sizes(), opt);
-  auto result = [&]() -> std::vector<at::Tensor> {
-    if (!geo.dual) return {gx, dw1[0], dw3[0], dw2[0]};
+  at::Tensor gx = output_mask[0] ? at::empty(x.sizes(), opt) : at::Tensor();
+  auto result = [&]() -> FfnGrads {
+    if (!geo.dual) return {gx, dw1[0], dw3[0], dw2[0], at::Tensor(), at::Tensor(), at::Tensor()};
     return {gx, dw1[1], dw3[1], dw2[1], dw1[0], dw3[0], dw2[0]};  // (w1, w3, w2) = vision, (u1, u3, u2) = text
   };
+  const auto any = [](const at::Tensor (&t)[2]) { return t[0].defined() || t[1].defined(); };
+  const bool want_dw1 = any(dw1), want_dw3 = any(dw3), want_dw2 = any(dw2);
+  if (!gx.defined() && !want_dw1 && !want_dw3 && !want_dw2) return result();
   if (geo.M == 0 || geo.H == 0 || geo.I == 0) {  // every gradient is zero (or empty)
-    gx.zero_();
-    for (int64_t e = 0; e < E; ++e) {
-      dw1[e].zero_();
-      dw3[e].zero_();
-      dw2[e].zero_();
-    }
+    for (at::Tensor* t : {&gx, &dw1[0], &dw1[1], &dw3[0], &dw3[1], &dw2[0], &dw2[1]})
+      if (t->defined()) t->zero_();
     return result();
   }
 
@@ -152,7 +156,8 @@ std::vector<at::Tensor> ffn_backward_cuda(const at::Tensor& grad_out, const at::
 
   // gate, up and dh, then (in place) h, dup and dgate. Rows [end, M_pad) of these expert-ordered buffers are never
   // written; the elementwise pass computes garbage there that no kernel reads (tiles past `end` are skipped,
-  // grad-weight reads only the experts' rows).
+  // grad-weight reads only the experts' rows). Every gradient asked for needs dgate or dup (or h, for dw2), so this
+  // part runs whatever the output_mask.
   at::Tensor h = at::empty({rows, geo.I}, opt), dup = at::empty({rows, geo.I}, opt);
   at::Tensor dgate = at::empty({rows, geo.I}, opt);
   routed::linear(g, r, as(dya), p.down, none, none, as(dgate), /*w_transposed=*/true, tma);  // dh = dy·w2_e
@@ -163,18 +168,18 @@ std::vector<at::Tensor> ffn_backward_cuda(const at::Tensor& grad_out, const at::
     routed::linear(g, r, as(xa), p.up, none, none, as(dup), /*w_transposed=*/false, tma);  // up = x·w3_eᵀ
     swiglu_backward(g, h, dup, dgate);
   }
-  const at::Tensor& e1_w2 = geo.dual ? dw2[1] : none;
-  const at::Tensor& e1_w1 = geo.dual ? dw1[1] : none;
-  const at::Tensor& e1_w3 = geo.dual ? dw3[1] : none;
-  routed::grad_weight(g, r, as(dya), as(h), dw2[0], e1_w2, none, none, tma);  // dw2_e = dy_eᵀ·h_e  [H, I]
+  // Weight gradients: only the experts' asked for launch programs (routed::grad_weight skips an undefined output).
+  if (want_dw2) routed::grad_weight(g, r, as(dya), as(h), dw2[0], dw2[1], none, none, tma);  // dw2_e = dy_eᵀ·h_e
   h.reset();
-  routed::grad_weight(g, r, as(dgate), as(xa), dw1[0], e1_w1, none, none, tma);  // dw1_e = dgate_eᵀ·x_e  [I, H]
-  routed::grad_weight(g, r, as(dup), as(xa), dw3[0], e1_w3, none, none, tma);    // dw3_e = dup_eᵀ·x_e  [I, H]
-  at::Tensor gx2 = gx.view({geo.M, geo.H});
-  routed::linear(g, r, as(dgate), p.gate, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma);
-  at::Tensor gx_up = at::empty({geo.M, geo.H}, opt);
-  routed::linear(g, r, as(dup), p.up, none, none, routed::tokens(gx_up), /*w_transposed=*/true, tma);
-  gx2.add_(gx_up);
+  if (want_dw1) routed::grad_weight(g, r, as(dgate), as(xa), dw1[0], dw1[1], none, none, tma);  // dgate_eᵀ·x_e
+  if (want_dw3) routed::grad_weight(g, r, as(dup), as(xa), dw3[0], dw3[1], none, none, tma);    // dup_eᵀ·x_e
+  if (gx.defined()) {  // dx = dgate·w1_e + dup·w3_e
+    at::Tensor gx2 = gx.view({geo.M, geo.H});
+    routed::linear(g, r, as(dgate), p.gate, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma);
+    at::Tensor gx_up = at::empty({geo.M, geo.H}, opt);
+    routed::linear(g, r, as(dup), p.up, none, none, routed::tokens(gx_up), /*w_transposed=*/true, tma);
+    gx2.add_(gx_up);
+  }
   return result();
 }
 

@@ -12,14 +12,15 @@ Tensor fwd(const Tensor& x, FUSED_FFN_ARGS) {
   return at::empty(x.sizes(), x.options());
 }
 
-std::vector<Tensor> bwd(const Tensor& grad_out, const Tensor& x, FUSED_FFN_ARGS) {
+fused::FfnGrads bwd(const Tensor& grad_out, const Tensor& x, FUSED_FFN_ARGS, fused::FfnOutputMask output_mask) {
   (void)allow_tf32;
   const auto g = fused::check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2);
   const auto opt = x.options();
-  std::vector<Tensor> out = {at::empty(x.sizes(), opt)};
-  for (int e = 0; e < (g.dual ? 2 : 1); ++e)
-    out.insert(out.end(), {at::empty({g.I, g.H}, opt), at::empty({g.I, g.H}, opt), at::empty({g.H, g.I}, opt)});
-  return out;
+  const auto out = [&](int i, at::IntArrayRef size) {
+    return output_mask[i] && (i < 4 || g.dual) ? at::empty(size, opt) : Tensor();
+  };
+  return {out(0, x.sizes()),   out(1, {g.I, g.H}), out(2, {g.I, g.H}), out(3, {g.H, g.I}),
+          out(4, {g.I, g.H}), out(5, {g.I, g.H}), out(6, {g.H, g.I})};
 }
 }  // namespace
 

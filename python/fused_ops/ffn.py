@@ -43,7 +43,9 @@ def ffn(
 
     Differentiable w.r.t. `x` and every weight (the op's C++ autograd calls `torch.ops.fused.ffn_backward`, which
     recomputes the intermediate activations instead of saving them). An expert with no tokens gets all-zero weight
-    gradients.
+    gradients. The backward computes only the gradients autograd asks for (its `output_mask`): a frozen expert's
+    weights (``requires_grad=False``, e.g. the language model's in CogVLM training) cost no grad-weight work, an `x`
+    that needs no gradient no grad-input GEMMs.
 
     Args:
         x: `[..., H]` (any leading shape, `M` = its product, may be 0), any strides; float32/float16/bfloat16
