@@ -202,3 +202,76 @@ def test_first_use_from_many_threads():
         print("OK")
     """)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_routed_ops_from_many_threads():
+    # The routed ops' first use and steady state from 8 threads at once, each on its own stream, over every device:
+    # kernel loading, config lookups, routing and the weight stacking must not share per-call state. Each thread
+    # runs linear_dual and ffn (dual and single, TMA-sized and odd sizes that take the pointer kernels) forward and
+    # backward three times; every result is checked against the float64 reference afterwards.
+    r = run_fresh("""
+        import threading, torch, fused_ops
+        from reference_routed import ffn_reference, linear_dual_reference, reference_grads, rel_err
+        n, T = torch.cuda.device_count(), 8
+        def case(i):
+            g = torch.Generator().manual_seed(i)
+            dev = f"cuda:{i % n}"
+            M, K, N = (300, 128, 192) if i % 2 == 0 else (77, 40, 37)  # odd sizes: pointer kernels
+            rnd = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dev, torch.bfloat16)
+            mask = (torch.rand(M, generator=g) < 0.5).to(dev)
+            return dict(dev=dev, x=rnd(M, K), mask=mask, gy=rnd(M, N), gx=rnd(M, K),
+                        lin=[rnd(N, K, sc=0.1), rnd(N, K, sc=0.1), rnd(N, sc=0.1), rnd(N, sc=0.1)],
+                        ffn=[rnd(N, K, sc=0.1), rnd(N, K, sc=0.1), rnd(K, N, sc=0.1)],
+                        ffn_t=[rnd(N, K, sc=0.1), rnd(N, K, sc=0.1), rnd(K, N, sc=0.1)])
+        cases = [case(i) for i in range(T)]
+        torch.cuda.synchronize()
+        results, errors = [[] for _ in range(T)], []
+        barrier = threading.Barrier(T)
+        def run(c):
+            leaves = lambda ts: [t.detach().clone().requires_grad_(True) for t in ts]
+            x, lw = leaves([c["x"]]) + [leaves(c["lin"])]
+            y = torch.ops.fused.linear_dual(x, c["mask"], *lw)
+            grads = torch.autograd.grad(y, [x] + lw, c["gy"])
+            out = [("linear_dual", y, grads)]
+            for name, ws in (("ffn dual", c["ffn"] + [c["mask"]] + c["ffn_t"]), ("ffn single", c["ffn"])):
+                x = leaves([c["x"]])[0]
+                wl = [w if w.dtype == torch.bool else w.detach().clone().requires_grad_(True) for w in ws]
+                y = torch.ops.fused.ffn(x, *wl)
+                grads = torch.autograd.grad(y, [x] + [w for w in wl if w.dtype != torch.bool], c["gx"])
+                out.append((name, y, grads))
+            return out
+        def work(i):
+            try:
+                c = cases[i]
+                with torch.cuda.device(c["dev"]):
+                    barrier.wait()
+                    s = torch.cuda.Stream()
+                    with torch.cuda.stream(s):
+                        for _ in range(3):
+                            results[i].append(run(c))
+                    s.synchronize()
+            except Exception as e:
+                errors.append(repr(e))
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(T)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        assert not errors, errors
+        for c, res in zip(cases, results):
+            m = c["mask"]
+            refs = {"linear_dual": reference_grads(lambda a, *w: linear_dual_reference(a, m, *w), [c["x"]] + c["lin"],
+                                                   c["gy"], [True] * 5),
+                    "ffn dual": reference_grads(lambda a, w1, w3, w2, u1, u3, u2: ffn_reference(
+                        a, w1, w3, w2, m, u1, u3, u2), [c["x"]] + c["ffn"] + c["ffn_t"], c["gx"], [True] * 7),
+                    "ffn single": reference_grads(lambda a, *w: ffn_reference(a, *w), [c["x"]] + c["ffn"], c["gx"],
+                                                  [True] * 4)}
+            for it in res:
+                for name, y, grads in it:
+                    ref_y, ref_g = refs[name]
+                    for what, got, want in [("out", y, ref_y)] + list(zip(range(len(grads)), grads, ref_g)):
+                        err = rel_err(got, want)
+                        assert err < 1e-2, f"{c['dev']} {name} {what}: relative error {err:.3g}"
+        print("OK")
+    """)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
