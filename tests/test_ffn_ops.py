@@ -312,6 +312,53 @@ def test_dual_with_equal_experts_matches_single(device):
         torch.testing.assert_close(dual, single, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dual", [False, True], ids=["single", "dual"])
+def test_weight_layout_does_not_change_results(device, dual):
+    """The same weight values laid out differently in memory (separate tensors, both experts of a projection in one
+    [2, I, H] tensor, a row-strided view) give the same bits, forward and backward: on the TMA path the paired
+    gate/up kernels must serve every layout (the unpaired backward rounds gate and up to bf16, so a layout-dependent
+    choice would change the gradients)."""
+    M, H, I = 300, 128, 192  # noqa: E741
+    dtype = torch.bfloat16
+    x = strided_view((M,), H, dtype, device)
+    mask = make_mask("random", (M,), device) if dual else None
+    w = make_weights(H, I, dtype, device, dual)
+    g = strided_view((M,), H, dtype, device)
+
+    def stacked(a, b):  # views of one [2, R, C] tensor: text (b) at index 0, vision (a) at 1
+        t = torch.stack([b, a])
+        return t[1], t[0]
+
+    def strided(a):  # a row-strided view of a copy
+        t = torch.zeros(a.shape[0], a.shape[1] + 8, dtype=a.dtype, device=a.device)
+        t[:, :a.shape[1]] = a
+        return t[:, :a.shape[1]]
+
+    layouts = {"separate": dict(w)}
+    if dual:
+        w1, u1 = stacked(w["w1"], w["u1"])
+        layouts["gate_stacked_up_separate"] = dict(w, w1=w1, u1=u1)
+        w1, u1 = stacked(w["w1"], w["u1"])
+        w3, u3 = stacked(w["w3"], w["u3"])
+        layouts["both_stacked"] = dict(w, w1=w1, u1=u1, w3=w3, u3=u3)
+    layouts["gate_strided"] = dict(w, w1=strided(w["w1"]))
+    # up's weights below gate's in one buffer (the paired kernels' descriptor then starts at up: up_first)
+    if dual:
+        buf = torch.stack([torch.stack([w["u3"], w["w3"]]), torch.stack([w["u1"], w["w1"]])])
+        layouts["up_below_gate"] = dict(w, u3=buf[0, 0], w3=buf[0, 1], u1=buf[1, 0], w1=buf[1, 1])
+    else:
+        buf = torch.stack([w["w3"], w["w1"]])
+        layouts["up_below_gate"] = dict(w, w3=buf[0], w1=buf[1])
+    results = {}
+    for name, lw in layouts.items():
+        results[name] = (OPS.ffn(x, *op_args(lw, mask)), OPS.ffn_backward(g, x, *op_args(lw, mask)))
+    base_out, base_grads = results["separate"]
+    for name, (out, grads) in results.items():
+        assert torch.equal(out, base_out), f"{name}: forward differs from separate weights"
+        for gname, a, b in zip(GRAD_NAMES, grads, base_grads):
+            assert (a is None and b is None) or torch.equal(a, b), f"{name}: {gname} differs from separate weights"
+
+
 def test_deterministic(device):
     """Same inputs, same bits (no atomics): forward and backward twice."""
     M, H, I = 300, 72, 40  # noqa: E741

@@ -245,11 +245,9 @@ const Experts::Stacked& Experts::stacked() {
   if (single_) {
     if (rows_ok) {
       st_ = Stacked{w0_.data_ptr(), 1, R * ld_, ld_};
-    } else {
-      stack_ = w0_.clone(at::MemoryFormat::Contiguous);  // new allocation: 16-byte aligned, row stride C
-      st_ = Stacked{stack_.data_ptr(), 1, R * C, C};
+      return *st_;
     }
-    return *st_;
+    return stack_by_copy();
   }
   if (rows_ok && aligned16(w1_.data_ptr())) {
     const auto diff = reinterpret_cast<intptr_t>(w1_.data_ptr()) - reinterpret_cast<intptr_t>(w0_.data_ptr());
@@ -258,9 +256,13 @@ const Experts::Stacked& Experts::stacked() {
       return *st_;
     }
   }
-  // Copy: [2, R, C] contiguous (2*R*C elements written and read once per call).
-  stack_ = at::stack({w0_, w1_});
-  st_ = Stacked{stack_.data_ptr(), 2, R * C, C};
+  return stack_by_copy();  // [2, R, C] contiguous (2*R*C elements written and read once per call)
+}
+
+const Experts::Stacked& Experts::stack_by_copy() {
+  if (stack_.defined()) return *st_;
+  stack_ = single_ ? w0_.clone(at::MemoryFormat::Contiguous) : at::stack({w0_, w1_});  // new: 16-byte aligned
+  st_ = Stacked{stack_.data_ptr(), single_ ? 1 : 2, rows() * cols(), cols()};
   return *st_;
 }
 
@@ -435,6 +437,16 @@ struct Pair {
 std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Experts& w3, int64_t m) {
   const KernelConfig* pc = find_config(kernel, family(g), g.cc, m);
   if (!pc || config_off(*pc)) return std::nullopt;
+  if (w1.stacked().experts == w3.stacked().experts &&
+      (w1.stacked().stride_e != w3.stacked().stride_e || w1.stacked().ld != w3.stacked().ld)) {
+    // The descriptor shares one expert stride and row stride between the two projections. Where their views
+    // differ (e.g. one projection's experts adjacent in memory and read in place, the other's stacked by copy),
+    // both are stacked by copy rather than falling back to the unpaired kernels: those cost more than the copies
+    // at the sizes the pair serves, and the unpaired backward rounds gate and up to the input dtype, so the
+    // gradients would depend on where the weights lie in memory.
+    w1.stack_by_copy();
+    w3.stack_by_copy();
+  }
   const Experts::Stacked& s1 = w1.stacked();
   const Experts::Stacked& s3 = w3.stacked();
   const intptr_t dist = reinterpret_cast<intptr_t>(s3.base) - reinterpret_cast<intptr_t>(s1.base);

@@ -115,6 +115,9 @@ class Experts {
   };
   const Stacked& stacked();
   bool stacked_by_copy() const { return stack_.defined(); }
+  // Makes the stacked view a contiguous copy ([E, R, C], row stride C) whatever the weights' layout, so that it has
+  // the strides of another projection's copy (the paired gate/up kernels take one descriptor over both).
+  const Stacked& stack_by_copy();
 
  private:
   at::Tensor w0_, w1_, stack_;
