@@ -315,9 +315,9 @@ def test_dual_with_equal_experts_matches_single(device):
 @pytest.mark.parametrize("dual", [False, True], ids=["single", "dual"])
 def test_weight_layout_does_not_change_results(device, dual):
     """The same weight values laid out differently in memory (separate tensors, both experts of a projection in one
-    [2, I, H] tensor, a row-strided view) give the same bits, forward and backward: on the TMA path the paired
-    gate/up kernels must serve every layout (the unpaired backward rounds gate and up to bf16, so a layout-dependent
-    choice would change the gradients)."""
+    [2, I, H] tensor, a row-strided view, up below gate) give the same bits, forward and backward. On the TMA path
+    the paired backward kernel must serve every layout (the unpaired backward rounds gate and up to bf16), and the
+    forward's unpaired fallback must compute what the paired kernel does."""
     M, H, I = 300, 128, 192  # noqa: E741
     dtype = torch.bfloat16
     x = strided_view((M,), H, dtype, device)

@@ -434,16 +434,14 @@ struct Pair {
     args.tensor(lo.base, {2, lo.experts, I, H}, {dist, lo.stride_e, lo.ld, 1});
   }
 };
-std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Experts& w3, int64_t m) {
+std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Experts& w3, int64_t m,
+                            bool copy_to_pair) {
   const KernelConfig* pc = find_config(kernel, family(g), g.cc, m);
   if (!pc || config_off(*pc)) return std::nullopt;
-  if (w1.stacked().experts == w3.stacked().experts &&
-      (w1.stacked().stride_e != w3.stacked().stride_e || w1.stacked().ld != w3.stacked().ld)) {
-    // The descriptor shares one expert stride and row stride between the two projections. Where their views
-    // differ (e.g. one projection's experts adjacent in memory and read in place, the other's stacked by copy),
-    // both are stacked by copy rather than falling back to the unpaired kernels: those cost more than the copies
-    // at the sizes the pair serves, and the unpaired backward rounds gate and up to the input dtype, so the
-    // gradients would depend on where the weights lie in memory.
+  if (copy_to_pair && (w1.stacked().stride_e != w3.stacked().stride_e || w1.stacked().ld != w3.stacked().ld)) {
+    // The descriptor shares one expert stride and row stride between the two projections, and their views may
+    // differ (one projection's experts adjacent in memory and read in place, the other's stacked by copy: that
+    // depends on where the weights lie). Stacking both by copy then lets the pair serve.
     w1.stack_by_copy();
     w3.stack_by_copy();
   }
@@ -494,7 +492,9 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
   ensure_routed(r);
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a, gather_into);
-    if (const std::optional<Pair> pair = pair_of("routed_swiglu_pair_tma_kernel", g, w1, w3, r.M)) {
+    // The unpaired kernel computes the same bits (two accumulators instead of the halves of one): where the pair
+    // does not serve, no weight copy is worth it.
+    if (const std::optional<Pair> pair = pair_of("routed_swiglu_pair_tma_kernel", g, w1, w3, r.M, false)) {
       args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1});
       pair->add_descriptor(args, I, H);
       args.ptr(h.data_ptr()).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
@@ -540,7 +540,9 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
   for (const at::Tensor* t : {&h, &dup, &dgate})
     TORCH_INTERNAL_ASSERT(t->dim() == 2 && t->size(0) == r.M_pad && t->size(1) == I && t->stride(1) == 1 &&
                           t->stride(0) == h.stride(0));
-  const std::optional<Pair> pair = pair_of("routed_swiglu_pair_bwd_tma_kernel", g, w1, w3, r.M);
+  // Always paired: the unpaired backward stores gate and up in the input dtype before the SwiGLU backward, so a
+  // fallback would make the gradients depend on the weights' addresses (test_weight_layout_does_not_change_results).
+  const std::optional<Pair> pair = pair_of("routed_swiglu_pair_bwd_tma_kernel", g, w1, w3, r.M, true);
   if (!pair) return false;
   ensure_routed(r);
   KernelArgs args;
