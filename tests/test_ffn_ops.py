@@ -543,7 +543,9 @@ def test_cuda_graph(gpu_device, dual):
             OPS.ffn(x, *op_args(w, mask))
     torch.cuda.current_stream(gpu_device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Capture on a stream of this device: torch.cuda.graph's default capture stream is created once per process, on
+    # the device current at its first use (cuda:0), and the op launches on its tensors' device's current stream.
+    with torch.cuda.graph(graph, stream=stream):
         out = OPS.ffn(x, *op_args(w, mask))
     for kind in ("all_true", "span", "all_false", "random"):
         x.copy_(strided_view((M,), H, dtype, gpu_device))
