@@ -441,9 +441,12 @@ std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Expe
   if (copy_to_pair && (w1.stacked().stride_e != w3.stacked().stride_e || w1.stacked().ld != w3.stacked().ld)) {
     // The descriptor shares one expert stride and row stride between the two projections, and their views may
     // differ (one projection's experts adjacent in memory and read in place, the other's stacked by copy: that
-    // depends on where the weights lie). Stacking both by copy then lets the pair serve.
-    w1.stack_by_copy();
-    w3.stack_by_copy();
+    // depends on where the weights lie). A projection whose view is not already the copy's layout ([E, R, C]
+    // contiguous) is stacked by copy; then both have that layout and the pair serves.
+    for (Experts* w : {&w1, &w3}) {
+      const Experts::Stacked& s = w->stacked();
+      if (s.ld != w->cols() || s.stride_e != w->rows() * w->cols()) w->stack_by_copy();
+    }
   }
   const Experts::Stacked& s1 = w1.stacked();
   const Experts::Stacked& s3 = w3.stacked();
