@@ -9,6 +9,8 @@ runs in seconds. They need 10-30 GiB of device memory and are skipped on a devic
 references are float64, computed in chunks of tokens: outputs and grad x row by row, the weight gradients as sums of
 the chunks' gradients (exact: they are sums over tokens).
 """
+import gc
+
 import pytest
 import torch
 
@@ -24,6 +26,8 @@ pytestmark = pytest.mark.gpu
 
 
 def need_free_gib(device, gib):
+    gc.collect()
+    torch.cuda.empty_cache()  # blocks the caching allocator keeps from earlier tests count as used
     free, _ = torch.cuda.mem_get_info(device)
     if free < gib * 2 ** 30:
         pytest.skip(f"needs {gib} GiB free on {device}, has {free / 2 ** 30:.1f}")
