@@ -59,6 +59,8 @@ def ffn(
             Default False: exact fp32. torch's global TF32 flag is not consulted. Ignored for 16-bit inputs, on CPU.
     Returns a new contiguous `[..., H]` tensor of x's dtype. The intermediate `silu(x w1ᵀ) * (x w3ᵀ)` is computed in
     fp32 and stored once in x's dtype before the down projection (as an unfused bf16 MLP would).
+    Inside `torch.autocast` the floating-point inputs are first cast to the region's dtype, as for
+    `torch.nn.functional.linear` (the result then has that dtype; float64 is left alone).
     """
     return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32)
 

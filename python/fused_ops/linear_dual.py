@@ -57,6 +57,8 @@ def linear_dual(
             Default False: float32 is computed exactly (IEEE fp32). torch's global
             `torch.backends.cuda.matmul.allow_tf32` is NOT consulted. Ignored for 16-bit inputs and on CPU.
     Returns a new contiguous `[..., N]` tensor of x's dtype on x's device (accumulation in fp32, one rounding).
+    Inside `torch.autocast` the floating-point inputs are first cast to the region's dtype, as for
+    `torch.nn.functional.linear` (the result then has that dtype; float64 is left alone).
     """
     return torch.ops.fused.linear_dual(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32)
 
