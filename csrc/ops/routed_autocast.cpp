@@ -6,9 +6,12 @@
 // tensors on another device type, the mask. Outside an autocast region these kernels are not called.
 //
 // The two experts of a projection held as one [2, R, C] tensor (DualLinear, DualExpertSwiGLU: text at [0], vision at
-// [1]) are cast as that one tensor and split again. The halves of the cast stay adjacent, so the kernels read them in
-// place: cast one by one, they would be stacked by copy on every call. And the cast of a leaf parameter is cached for
-// the autocast region, as for nn.Linear's weight. Gradients flow back through the cast to the fp32 parameters.
+// [1]) are cast as that one tensor and split again. The halves of the cast stay adjacent, so the kernels read them
+// through one descriptor, in the forward and in the paired backward kernel (which needs gate and up at the same
+// expert distance). Cast one by one, where the halves land is up to the allocator: the forward would stack them by
+// copy whenever the vision half lies below the text half, and the backward whenever the two projections' distances
+// differ. And the cast of a leaf parameter is cached for the autocast region, as for nn.Linear's weight. Gradients
+// flow back through the cast to the fp32 parameters.
 //
 // RoPE has no autocast kernel: it is elementwise (autocast leaves those ops alone), so it runs in its input's dtype.
 // The backward ops have none either: autograd calls them on the forward's cast tensors.
