@@ -14,7 +14,6 @@ from fused_ops.ffn import DualExpertSwiGLU, FusedSwiGLU
 from fused_ops.linear_dual import DualLinear
 from reference_routed import ffn_reference, linear_dual_reference, make_mask, rel_err
 
-OPS = torch.ops.fused
 M, H, I, N = 37, 48, 80, 24  # noqa: E741  (odd token count; linear_dual: K = H, N)
 KINDS = ["linear_dual", "ffn_dual", "ffn_single"]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -116,8 +115,8 @@ class _OpArgs(TorchDispatchMode):
 @pytest.mark.parametrize("kind", ["linear_dual", "ffn_dual"])
 def test_autocast_casts_stacked_experts_as_one_tensor(device, kind):
     """The modules hold both experts of a projection in one [2, R, C] parameter. Under autocast the op must get the
-    two halves of ONE cast tensor (adjacent in memory, so the CUDA kernels read them in place instead of stacking
-    separately cast halves on every call)."""
+    two halves of ONE cast tensor: adjacent in memory, so the CUDA kernels read them through one descriptor (halves
+    cast one by one land wherever the allocator puts them, and the kernels then stack them by copy)."""
     mod, rest, _ = make(kind, device)
     x = torch.randn(M, H, device=device)
     rec = _OpArgs()

@@ -5,7 +5,7 @@ I = 11008, and a [M, 4096] activation at M = 524,289. An offset computed in int3
 the wrong rows (or fault) only past that point, so these tests look at every output row, the last ones included.
 
 The shapes keep the dimension that does not matter small (H = 256 for ffn, K = N = 1024 for linear_dual), so each test
-runs in seconds. They need 10-30 GiB of device memory and are skipped on a device with less free memory. The
+runs in seconds. They need 16-40 GiB of free device memory and are skipped on a device with less. The
 references are float64, computed in chunks of tokens: outputs and grad x row by row, the weight gradients as sums of
 the chunks' gradients (exact: they are sums over tokens).
 """
