@@ -37,6 +37,10 @@ using FfnGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::
 // Which of FfnGrads to compute, in its order: the others are returned undefined, and their work is skipped (a frozen
 // expert's weights, an input that needs no gradient). The last three are ignored for the single expert.
 using FfnOutputMask = std::array<bool, 7>;
+// The ops' signatures (csrc/torch_bindings.cpp), for calls through the dispatcher: .typed<FfnOp>().
+using FfnOp = at::Tensor(const at::Tensor& x, FUSED_FFN_ARGS);
+using FfnBackwardOp = FfnGrads(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS,
+                               FfnOutputMask output_mask);
 
 // CPU: the ATen reference (each token only through its own expert; math in fp32, fp64 for fp64 inputs).
 at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS);

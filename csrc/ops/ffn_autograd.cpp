@@ -14,11 +14,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptT = std::optional<Tensor>;
 
-using FfnFn = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptT&, const OptT&, const OptT&,
-                     const OptT&, bool);
-using FfnBackwardFn = fused::FfnGrads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                      const OptT&, const OptT&, const OptT&, const OptT&, bool, fused::FfnOutputMask);
-
 OptT opt(const Tensor& t) { return t.defined() ? OptT(t) : std::nullopt; }
 
 struct FfnFunction : public torch::autograd::Function<FfnFunction> {
@@ -28,13 +23,13 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
     ctx->save_for_backward({x, w1, w3, w2, value(mask), value(u1), value(u3), value(u2)});
     ctx->saved_data["allow_tf32"] = allow_tf32;
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").typed<FfnFn>();
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").typed<fused::FfnOp>();
     return op.call(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn_backward", "").typed<FfnBackwardFn>();
+        c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn_backward", "").typed<fused::FfnBackwardOp>();
     const auto s = ctx->get_saved_variables();
     const bool dual = s[5].defined();
     // Only what autograd asks for is computed: no grad_x for an input that needs none, no weight gradient of a

@@ -30,6 +30,13 @@ using LinearDualGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tenso
 // grad_bias_t): the others are returned undefined and cost nothing (a frozen expert's weights, a layer without
 // biases, an input that needs no gradient).
 using LinearDualOutputMask = std::array<bool, 5>;
+// The ops' signatures (csrc/torch_bindings.cpp), for calls through the dispatcher: .typed<LinearDualOp>().
+using LinearDualOp = at::Tensor(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
+                                const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
+                                const std::optional<at::Tensor>& bias_t, bool allow_tf32);
+using LinearDualBackwardOp = LinearDualGrads(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
+                                             const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
+                                             LinearDualOutputMask output_mask);
 
 // CPU: the ATen reference (each token only through its own expert; math in fp32, fp64 for fp64 inputs).
 at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,

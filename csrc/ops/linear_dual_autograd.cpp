@@ -13,11 +13,6 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using LinearDualFn = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                            const std::optional<Tensor>&, bool);
-using LinearDualBackwardFn = fused::LinearDualGrads(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                                    const Tensor&, bool, fused::LinearDualOutputMask);
-
 struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& mask, const Tensor& weight_v,
                         const Tensor& weight_t, const std::optional<Tensor>& bias_v,
@@ -27,14 +22,15 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
     ctx->saved_data["has_bias_v"] = fused::present(bias_v);
     ctx->saved_data["has_bias_t"] = fused::present(bias_t);
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::linear_dual", "").typed<LinearDualFn>();
+    static auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("fused::linear_dual", "").typed<fused::LinearDualOp>();
     return op.call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fused::linear_dual_backward", "")
-                         .typed<LinearDualBackwardFn>();
+                         .typed<fused::LinearDualBackwardOp>();
     const auto s = ctx->get_saved_variables();
     // Only what autograd asks for is computed: no grad_x for an input that needs none, no weight gradient of a
     // frozen expert, no bias gradient of a missing or frozen bias. needs_input_grad counts the tensor inputs given:

@@ -21,6 +21,8 @@
 
 #include <utility>
 
+#include "ops/ffn.h"
+#include "ops/linear_dual.h"
 #include "ops/routed_gemm.h"  // present
 
 namespace {
@@ -58,10 +60,8 @@ Tensor linear_dual_autocast(const Tensor& x, const Tensor& mask, const Tensor& w
   const at::ScalarType dt = at::autocast::get_autocast_dtype(D);
   const auto [wt, wv] = cast_experts<D>(dt, weight_t, weight_v);
   const auto [bt, bv] = cast_experts<D>(dt, bias_t, bias_v);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fused::linear_dual", "")
-                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptT&,
-                                     const OptT&, bool)>();
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fused::linear_dual", "").typed<fused::LinearDualOp>();
   return op.call(at::autocast::cached_cast(dt, x, D), mask, *wv, *wt, bv, bt, allow_tf32);
 }
 
@@ -74,10 +74,7 @@ Tensor ffn_autocast(const Tensor& x, const Tensor& w1, const Tensor& w3, const T
   const auto [c_u1, c_w1] = cast_experts<D>(dt, u1, w1);
   const auto [c_u3, c_w3] = cast_experts<D>(dt, u3, w3);
   const auto [c_u2, c_w2] = cast_experts<D>(dt, u2, w2);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fused::ffn", "")
-                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptT&,
-                                     const OptT&, const OptT&, const OptT&, bool)>();
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").typed<fused::FfnOp>();
   return op.call(at::autocast::cached_cast(dt, x, D), *c_w1, *c_w3, *c_w2, mask, c_u1, c_u3, c_u2, allow_tf32);
 }
 }  // namespace

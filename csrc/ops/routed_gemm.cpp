@@ -259,6 +259,11 @@ const Experts::Stacked& Experts::stacked() {
   return stack_by_copy();  // [2, R, C] contiguous (2*R*C elements written and read once per call)
 }
 
+const Experts::Stacked& Experts::stacked_contiguous() {
+  const Stacked& s = stacked();
+  return s.ld == cols() && s.stride_e == rows() * cols() ? s : stack_by_copy();
+}
+
 const Experts::Stacked& Experts::stack_by_copy() {
   if (stack_.defined()) return *st_;
   stack_ = single_ ? w0_.clone(at::MemoryFormat::Contiguous) : at::stack({w0_, w1_});  // new: 16-byte aligned
@@ -441,12 +446,10 @@ std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Expe
   if (copy_to_pair && (w1.stacked().stride_e != w3.stacked().stride_e || w1.stacked().ld != w3.stacked().ld)) {
     // The descriptor shares one expert stride and row stride between the two projections, and their views may
     // differ (one projection's experts adjacent in memory and read in place, the other's stacked by copy: that
-    // depends on where the weights lie). A projection whose view is not already the copy's layout ([E, R, C]
-    // contiguous) is stacked by copy; then both have that layout and the pair serves.
-    for (Experts* w : {&w1, &w3}) {
-      const Experts::Stacked& s = w->stacked();
-      if (s.ld != w->cols() || s.stride_e != w->rows() * w->cols()) w->stack_by_copy();
-    }
+    // depends on where the weights lie). Both in the contiguous layout (a copy only where a view is not in it), the
+    // pair serves.
+    w1.stacked_contiguous();
+    w3.stacked_contiguous();
   }
   const Experts::Stacked& s1 = w1.stacked();
   const Experts::Stacked& s3 = w3.stacked();

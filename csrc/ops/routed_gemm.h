@@ -115,11 +115,13 @@ class Experts {
   };
   const Stacked& stacked();
   bool stacked_by_copy() const { return stack_.defined(); }
-  // Makes the stacked view a contiguous copy ([E, R, C], row stride C) whatever the weights' layout, so that it has
-  // the strides of another projection's copy (the paired gate/up kernels take one descriptor over both).
-  const Stacked& stack_by_copy();
+  // The stacked view with the strides of a contiguous [E, R, C] tensor (stride_e = R * C, ld = C): stacked() where it
+  // already has them, else a copy. Two projections of one shape then share one expert stride and row stride (the
+  // paired gate/up kernels take one descriptor over both).
+  const Stacked& stacked_contiguous();
 
  private:
+  const Stacked& stack_by_copy();  // [E, R, C] contiguous copy of the experts
   at::Tensor w0_, w1_, stack_;
   bool single_;
   int64_t ld_;
