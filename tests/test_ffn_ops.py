@@ -20,6 +20,7 @@ from torch import nn
 
 import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
 from fused_ops.ffn import DualExpertSwiGLU, FusedSwiGLU, ffn
+from device_helpers import poison_allocator, sync
 from reference_routed import MASK_KINDS, ffn_reference, make_mask, reference_grads, rel_err, strided_view
 
 OPS = torch.ops.fused
@@ -61,16 +62,6 @@ def op_args(w, mask):
     return (w["w1"], w["w3"], w["w2"], mask, w.get("u1"), w.get("u3"), w.get("u2"))
 
 
-def poison_allocator(device, nbytes):
-    """Leaves a NaN-filled block of `nbytes` in the CUDA caching allocator (an unwritten output shows NaN)."""
-    if torch.device(device).type == "cuda" and nbytes > 0:
-        junk = torch.full((nbytes // 4 + 1,), float("nan"), dtype=torch.float32, device=device)
-        del junk
-
-
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def check_out(out, ref, shape, dtype, device, tol, what="out"):

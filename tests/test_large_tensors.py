@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
+from device_helpers import poison_allocator
 from reference import rope_reference
-from reference_routed import ffn_reference, linear_dual_reference, reference_grads
+from reference_routed import ffn_reference, linear_dual_reference, reference_grads, rel_err
 
 OPS = torch.ops.fused
 INT32_LIMIT = 2 ** 31
@@ -53,14 +54,8 @@ class RelErr:
 def check_weight_grads(got, ref, names):
     for g, r, n in zip(got, ref, names):
         assert bool(torch.isfinite(g).all()), f"grad {n} has NaN/inf"
-        err = ((g.to(torch.float64) - r).norm() / r.norm()).item()
+        err = rel_err(g, r)
         assert err <= TOL, f"grad {n}: relative error {err:.3g} > {TOL}"
-
-
-def poisoned(shape, dtype, device):
-    """A NaN-filled block of the size of an output, freed: the caching allocator hands it to the op's output."""
-    junk = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    del junk
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -74,7 +69,7 @@ def test_linear_dual_past_int32_offsets(gpu_device, bias):
     ws = [(torch.randn(N, K, device=gpu_device) / K ** 0.5).to(dt) for _ in range(2)]
     bs = [torch.randn(N, device=gpu_device).to(dt) if bias else None for _ in range(2)]
     g = torch.randn(M, N, device=gpu_device, dtype=dt)
-    poisoned((M, N), dt, gpu_device)
+    poison_allocator(gpu_device, M * N * dt.itemsize)
     out = OPS.linear_dual(x, mask, ws[0], ws[1], bs[0], bs[1])
     assert out.numel() > INT32_LIMIT
     want = [True, True, True, bias, bias]
@@ -113,7 +108,7 @@ def test_ffn_past_int32_offsets(gpu_device, dual):
     w = [mk(I, H), mk(I, H), mk(H, I)]
     u = [mk(I, H), mk(I, H), mk(H, I)] if dual else [None] * 3
     g = torch.randn(M, H, device=gpu_device, dtype=dt)
-    poisoned((M, H), dt, gpu_device)
+    poison_allocator(gpu_device, M * H * dt.itemsize)
     with torch.no_grad():
         out = OPS.ffn(x, *w, mask, *u)
     grads = OPS.ffn_backward(g, x, *w, mask, *u)
@@ -150,7 +145,7 @@ def test_rope_past_int32_offsets(gpu_device, fmt):
     if fmt == "bshd":
         x = x.view(1, s, h, d)
     freqs = torch.rand(s, 1, 1, d, device=gpu_device) * 3.0
-    poisoned(x.shape, dt, gpu_device)
+    poison_allocator(gpu_device, x.numel() * dt.itemsize)
     out = OPS.rope_fwd(x, freqs, fmt)
     torch.cuda.synchronize(gpu_device)
     assert bool(torch.isfinite(out).all()), "rope_fwd left elements unwritten"

@@ -14,6 +14,7 @@ import torch
 
 import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
 from fused_ops.linear_dual import DualLinear, linear_dual
+from device_helpers import poison_allocator, sync
 from reference_routed import MASK_KINDS, linear_dual_reference, make_mask, reference_grads, rel_err, strided_view
 
 OPS = torch.ops.fused
@@ -48,17 +49,6 @@ def make_weights(N, K, dtype, device, bias="both"):
     return wv, wt, bv, bt
 
 
-def poison_allocator(device, nbytes):
-    """Leaves a NaN-filled block of `nbytes` in the CUDA caching allocator, so an output that reuses it and is not
-    fully written shows NaN. No-op on CPU."""
-    if torch.device(device).type == "cuda" and nbytes > 0:
-        junk = torch.full((nbytes // 4 + 1,), float("nan"), dtype=torch.float32, device=device)
-        del junk
-
-
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def check_out(out, ref, shape, dtype, device, tol, what="out"):

@@ -17,6 +17,7 @@ import torch
 
 import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
 from fused_ops.rope import RotaryPositionEmbedding, apply_rotary_pos_emb, apply_rotary_pos_emb_qk
+from device_helpers import poison_allocator, sync
 from reference import rope_reference
 
 OPS = torch.ops.fused
@@ -119,13 +120,6 @@ class Case:
                               backward=backward)
 
 
-def poison_allocator(device, nbytes):
-    """Leaves a NaN-filled block of `nbytes` in the CUDA caching allocator, so an output that reuses it and is not
-    fully written shows NaN. No-op on CPU."""
-    if torch.device(device).type == "cuda" and nbytes > 0:
-        junk = torch.full((nbytes // 4 + 1,), float("nan"), dtype=torch.float32, device=device)
-        del junk
-
 
 def rel_err(out, ref):
     out = out.double()
@@ -143,10 +137,6 @@ def check_out(out, x, ref, d2, what="out"):
     assert err <= TOL[x.dtype], f"{what}: relative error {err:.3g} > {TOL[x.dtype]:.1g}"
     assert torch.equal(out[..., d2:], x[..., d2:]), f"{what}: channels d2..d are not passed through exactly"
 
-
-def sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
