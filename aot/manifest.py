@@ -127,7 +127,7 @@ GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ie
 # routing is rarely a multiple of 16: a hint on it would send every such call (one decode token: M_pad = 129) to the
 # generic variant, which loses the hints on the pointers and strides that vectorize the gathers and stores. Nor on an
 # expert index (0 or 1), which no address is a multiple of.
-_NO_HINT = {"M", "M_pad", "n_rows", "one_rows", "first_expert"}
+_NO_HINT = {"M", "M_pad", "n_rows", "one_rows", "first_expert", "experts"}
 
 
 def _aligned(args) -> Dict[str, object]:
@@ -291,12 +291,13 @@ def _gemm_variants() -> List[Variant]:
                 out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel", dict(base, route=route, align=1), args,
                              meta, cfg, archs)
 
-        # routed_grad_weight_tma_kernel (sm_90): expert-ordered dy / x through [BR, BN] / [BR, BK] descriptors.
+        # routed_grad_weight_tma_kernel (sm_90): expert-ordered dy / x through [BR, BN] / [BR, BK] descriptors, both
+        # experts' dW stored through [BN, BK] descriptors.
         for cfg, archs in configs("routed_grad_weight_tma_kernel", fam):
             bn, bk, br = cfg["block"]
             args = [("dy_desc", f"tensordesc<{dt}[{br}, {bn}]>"), ("x_desc", f"tensordesc<{dt}[{br}, {bk}]>"),
-                    ("seg_ptr", "*i32"), ("dw0_ptr", p), ("dw1_ptr", p), ("N", "i32"), ("K", "i32"),
-                    ("stride_dwn", "i32"), ("first_expert", "i32")]
+                    ("seg_ptr", "*i32"), ("dw0_desc", f"tensordesc<{dt}[{bn}, {bk}]>"),
+                    ("dw1_desc", f"tensordesc<{dt}[{bn}, {bk}]>"), ("N", "i32"), ("K", "i32"), ("experts", "i32")]
             meta = _tile_meta(cfg, prec, _NKR)
             out += _both("kernels.gemm:routed_grad_weight_tma_kernel", dict(base), args, meta, cfg, archs)
 

@@ -588,10 +588,6 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
     if (!dw[e].defined()) dw[e] = dw[1 - e];
     if (dbias && !db[e].defined()) db[e] = db[1 - e];
   }
-  // Programs [0, per_e) compute expert first_expert, [per_e, 2 per_e) the next one: a launch of one expert (either,
-  // or the only one of a single routing) has per_e programs.
-  const int32_t first_expert = run[0] ? 0 : 1;
-  const int64_t n_experts = (run[0] && run[1]) ? 2 : 1;
   ensure_routed(r);
   const at::Tensor &dw0 = dw[0], &w1 = dw[1], &db0 = db[0], &b1 = db[1];
   TORCH_INTERNAL_ASSERT(dw0.size(0) == N && dw0.size(1) == K && dw0.is_contiguous() && w1.sizes() == dw0.sizes() &&
@@ -599,18 +595,26 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
   if (dbias) TORCH_INTERNAL_ASSERT(db0.numel() == N && b1.numel() == N && db0.is_contiguous() && b1.is_contiguous());
   KernelArgs args;
   if (tma) {
+    // One program per [BN, BK] tile computes it for every expert in `experts` (bit e: expert e), in one loop over
+    // their rows; a frozen expert's dW is not touched.
     TORCH_INTERNAL_ASSERT(dy.expert_ordered, "routed GEMM: the TMA grad-weight takes expert-ordered buffers");
     TORCH_INTERNAL_ASSERT(!dbias, "routed GEMM: the TMA grad-weight sums no bias (gather_rows_and_sum does)");
     const KernelConfig& c = config(g, "routed_grad_weight_tma_kernel", r.M);  // block: BN x BK x BR
     args.tensor(dy.t.data_ptr(), {r.M_pad, N}, {dy.t.stride(0), 1})
         .tensor(x.t.data_ptr(), {r.M_pad, K}, {x.t.stride(0), 1})
-        .ptr(r.seg.data_ptr()).ptr(dw0.data_ptr()).ptr(w1.data_ptr()).i32(N).i32(K).i32(dw0.stride(0))
-        .i32(first_expert);
-    const int64_t per_e = cdiv(N, c.block[0]) * cdiv(K, c.block[1]);
-    launch_on_current_stream("routed_grad_weight_tma_kernel", grad_weight_tma_key(g, c), args, grid(n_experts * per_e),
-                             dw0);
+        .ptr(r.seg.data_ptr())
+        .tensor(dw0.data_ptr(), {N, K}, {dw0.stride(0), 1})
+        .tensor(w1.data_ptr(), {N, K}, {w1.stride(0), 1})
+        .i32(N).i32(K).i32((run[0] ? 1 : 0) | (run[1] ? 2 : 0));
+    launch_on_current_stream("routed_grad_weight_tma_kernel", grad_weight_tma_key(g, c), args,
+                             grid(cdiv(N, c.block[0]) * cdiv(K, c.block[1])), dw0);
     return;
   }
+  // Pointer kernel: a launch of one expert (either, or the only one of a single routing) has per_e programs, all
+  // expert first_expert; a launch of both has 2 per_e, the first per_e for the expert with more rows (read from seg
+  // on the device: kernels/gemm.py _grad_weight_expert).
+  const int32_t first_expert = run[0] ? 0 : 1;
+  const int64_t n_experts = (run[0] && run[1]) ? 2 : 1;
   const KernelConfig& c = config(g, "routed_grad_weight_kernel", r.M);  // block: BN x BK x BR
   args.ptr(dy.t.data_ptr()).ptr(x.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
       .ptr(dw0.data_ptr()).ptr(w1.data_ptr())
