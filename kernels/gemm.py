@@ -670,8 +670,12 @@ def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_desc, dw1_desc, 
     n0 = pid_n * BLOCK_N
     k0 = pid_k * BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # An expert without rows gets its zeros first, under the loop's first loads: stored after the loop they would add
+    # a second epilogue at its end.
     if want0 and steps0 == 0:
         dw0_desc.store([n0, k0], acc.to(dw0_desc.dtype))
+    if want1 and steps1 == 0:
+        dw1_desc.store([n0, k0], acc.to(dw1_desc.dtype))
     for s in range(0, steps0 + steps1):
         r = tl.where(s < steps0, s * BLOCK_R, lo1 + (s - steps0) * BLOCK_R)
         dyt = dy_desc.load([r, n0])  # [BR, BN]
@@ -680,7 +684,7 @@ def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_desc, dw1_desc, 
         if s == steps0 - 1:  # expert 0's last step: its tile is done, expert 1 starts from zero
             dw0_desc.store([n0, k0], acc.to(dw0_desc.dtype))
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if want1:
+    if steps1 > 0:
         dw1_desc.store([n0, k0], acc.to(dw1_desc.dtype))
 
 
