@@ -571,8 +571,8 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
   check_rows(r, dy, N, "dy");
   check_rows(r, x, K, "x");
   // An expert is computed when one of its outputs is asked for (a single routing has expert 0 only). A computed
-  // expert's output not asked for gets a scratch buffer; an expert not computed gets the other's pointers, which its
-  // programs, never launched, do not touch.
+  // expert's output not asked for gets a scratch buffer; an expert not computed gets the other's tensors, which
+  // nothing writes (the pointer kernel launches no programs for it, the TMA kernel's `experts` leaves its bit off).
   const at::Tensor* dw_in[2] = {&dw0_in, &dw1_in};
   const at::Tensor* db_in[2] = {&db0_in, &db1_in};
   const bool dbias = db0_in.defined() || (!r.single && db1_in.defined());
