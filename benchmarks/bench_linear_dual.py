@@ -14,9 +14,10 @@ Cases (bf16, weights nn.Linear [N, K] stacked in one [2, N, K] tensor as DualLin
             gather+cuBLAS        index_select each expert's rows, F.linear per expert, index_copy_ back
                                  (row indices precomputed outside the timing: favours this baseline)
   bwd     same shapes and masks: linear_dual_backward of this layer without biases (grad x + both grad weights,
-          output_mask [T, T, T, F, F], as autograd asks for it) against the cuBLAS time of the same GEMMs on all M
-          rows: dX = dY·W and dW = dYᵀ·X (target <= 1.2x); gather+cuBLAS backward as information. rand50 also
-          times, as information, all five outputs ("+ bias grads") and a frozen text expert (grad x and grad
+          output_mask [T, T, T, F, F], and the routing linear_dual_forward returned: as autograd calls it) against
+          the cuBLAS time of the same GEMMs on all M rows: dX = dY·W and dW = dYᵀ·X (target <= 1.2x); gather+cuBLAS
+          backward as information. rand50 also times, as information, the op routing the mask again (no routing
+          argument, "routes again"), all five outputs ("+ bias grads") and a frozen text expert (grad x and grad
           weight_v only, "frozen text").
   decode  M = 1, 4, 16, 64 tokens, random mask: linear_dual vs gather+cuBLAS (and one F.linear); weights rotated
           past L2, so every call reads them from HBM. No target (information).
@@ -184,8 +185,12 @@ def case_bwd(res: Results, opts):
         mask = make_mask(kind, M, gen)
         iv, it = mask.nonzero().reshape(-1), (~mask).nonzero().reshape(-1)
 
-        def backward(want, mask=mask):
-            return lambda g, x: torch.ops.fused.linear_dual_backward(g, x, mask, wv, wt, output_mask=want)
+        # what autograd saves from the forward (the routing depends on the mask only)
+        routing = torch.ops.fused.linear_dual_forward(x_chk, mask, wv, wt)[1]
+
+        def backward(want, mask=mask, routing=routing):
+            return lambda g, x: torch.ops.fused.linear_dual_backward(g, x, mask, wv, wt, output_mask=want,
+                                                                     routing=routing)
         fused = backward([True, True, True, False, False])  # a layer without biases: what autograd asks for
 
         def gather(g, x, iv=iv, it=it):
@@ -214,7 +219,9 @@ def case_bwd(res: Results, opts):
         impls = [(IMPL_FUSED, fused, "linear_dual_backward, grad x and both grad weights", flops),
                  (IMPL_GATHER, gather, "info: indices precomputed (untimed)", flops)]
         if kind == "rand50":  # the frozen text expert's weight gradient is half of the grad-weight FLOPs here
-            impls += [(IMPL_FUSED + " + bias grads", backward([True] * 5), "info: all five outputs", flops),
+            impls += [(IMPL_FUSED + " routes again", backward([True, True, True, False, False], routing=None),
+                       "info: no routing argument, the op routes the mask itself", flops),
+                      (IMPL_FUSED + " + bias grads", backward([True] * 5), "info: all five outputs", flops),
                       (IMPL_FUSED + " frozen text", backward([True, True, False, False, False]),
                        "info: grad x and grad weight_v only", 0.75 * flops)]
         rows = {}

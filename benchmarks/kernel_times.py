@@ -96,8 +96,11 @@ def main(argv=None) -> int:
         wt, wv = rnd(2, N, K, scale=K ** -0.5).unbind(0)  # text first: one rank-3 descriptor, no stacking copy
         mask = torch.rand(M, generator=gen, device=dev) < 0.5
         fwd = lambda: ops.linear_dual(x, mask, wv, wt, None, None, False)  # noqa: E731
-        # the backward of a layer without biases, as autograd and bench_linear_dual's target ask for it
-        bwd = lambda: ops.linear_dual_backward(dy, x, mask, wv, wt, False, [True, True, True, False, False])  # noqa
+        # the backward of a layer without biases, with the forward's routing: as autograd and bench_linear_dual's
+        # target call it
+        routing = ops.linear_dual_forward(x, mask, wv, wt)[1]
+        bwd = lambda: ops.linear_dual_backward(dy, x, mask, wv, wt, False, [True, True, True, False, False],  # noqa
+                                               routing)
         run("linear_dual fwd 4096^3 rand50", fwd)
         run("linear_dual bwd 4096^3 rand50 (no bias grads)", bwd)
     H, I = 4096, 11008  # noqa: E741

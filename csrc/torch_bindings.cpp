@@ -27,10 +27,16 @@ TORCH_LIBRARY(fused, m) {
   // Modality-routed linear (docs/design.md): out[i] = x[i]·weight_vᵀ + bias_v if mask[i] else x[i]·weight_tᵀ + bias_t.
   m.def("linear_dual(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
         "Tensor? bias_t=None, bool allow_tf32=False) -> Tensor");
+  // linear_dual and the routing of mask it used (int32 [8 + M_pad], csrc/ops/linear_dual.h), for linear_dual_backward:
+  // what autograd's forward calls and saves.
+  m.def("linear_dual_forward(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
+        "Tensor? bias_t=None, bool allow_tf32=False) -> (Tensor, Tensor)");
   // Gradients of linear_dual: (grad_x, grad_weight_v, grad_weight_t, grad_bias_v, grad_bias_t). output_mask says
-  // which to compute, in that order; the others are returned undefined (None), and their work is skipped.
+  // which to compute, in that order; the others are returned undefined (None), and their work is skipped. routing:
+  // linear_dual_forward's routing of the same mask (then nothing is routed again; checked against the mask on the CPU
+  // only), or None.
   m.def("linear_dual_backward(Tensor grad_out, Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, "
-        "bool allow_tf32=False, bool[5] output_mask=[True, True, True, True, True]) "
+        "bool allow_tf32=False, bool[5] output_mask=[True, True, True, True, True], Tensor? routing=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // SwiGLU MLP w2(silu(x·w1ᵀ) ⊙ x·w3ᵀ); dual expert (mask, u*): token i uses w* if mask[i] (vision) else u* (text).
   m.def("ffn(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, Tensor? u3=None, "

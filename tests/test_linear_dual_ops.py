@@ -164,6 +164,81 @@ def test_backward_op_direct(device, mask_kind, dtype):
     assert got[0].shape == x.shape
 
 
+def routing_reference(mask):
+    """linear_dual_forward's routing, written out from its definition (csrc/ops/linear_dual.h): int32 [8 + M_pad],
+    M_pad = (ceil(M / 128) + 1) * 128; seg = [0, start_1, end, count_0, count_1] in slots 0-4 (5-7 unused), then perm:
+    text rows in token order from 0, vision rows from start_1 = roundup(count_0, 128), -1 everywhere else."""
+    m = mask.reshape(-1).cpu()
+    M = m.numel()
+    up = lambda n: -(-n // 128) * 128  # noqa: E731
+    text, vision = (~m).nonzero().flatten().tolist(), m.nonzero().flatten().tolist()
+    start1 = up(len(text))
+    perm = [-1] * ((-(-M // 128) + 1) * 128)
+    perm[:len(text)] = text
+    perm[start1:start1 + len(vision)] = vision
+    seg = [0, start1, start1 + up(len(vision)), len(text), len(vision)]
+    return torch.tensor(seg, dtype=torch.int32), torch.tensor(perm, dtype=torch.int32)
+
+
+def split_routing(routing):
+    return routing[:5].cpu(), routing[8:].cpu()
+
+
+# (M, K, N) of the routing tests: M = 0, 1, odd M; on CUDA with K, N that TMA takes on sm_90: M <= 1024 is routed
+# inside the forward GEMM, 1025-4096 by the one-block routing kernel first, past 4096 by the two-kernel pass
+ROUTING_SHAPES = [(0, 24, 16), (1, 24, 16), (37, 40, 24), (300, 64, 48), (1500, 64, 48), (5000, 64, 48)]
+
+
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("M, K, N", ROUTING_SHAPES, ids=lambda v: str(v))
+def test_forward_routing(device, mask_kind, M, K, N):
+    """linear_dual_forward: the output of linear_dual bit for bit, and the routing of the mask, fully written (the
+    buffer is poisoned first)."""
+    dtype = torch.bfloat16
+    x = strided_view((M,), K, dtype, device)
+    mask = make_mask(mask_kind, (M,), device)
+    wv, wt, bv, bt = make_weights(N, K, dtype, device, "both")
+    with torch.inference_mode():
+        want = OPS.linear_dual(x, mask, wv, wt, bv, bt)
+    poison_allocator(device, (M * N + 8 + (M // 128 + 2) * 128) * 4)
+    out, routing = OPS.linear_dual_forward(x, mask, wv, wt, bv, bt)
+    assert torch.equal(out, want)
+    assert routing.dtype == torch.int32 and routing.device == x.device and routing.shape == (8 + (-(-M // 128) + 1)
+                                                                                             * 128,)
+    seg, perm = split_routing(routing)
+    want_seg, want_perm = routing_reference(mask)
+    assert torch.equal(seg, want_seg), f"seg {seg.tolist()} != {want_seg.tolist()}"
+    assert torch.equal(perm, want_perm)
+
+
+@pytest.mark.parametrize("mask_kind", ["random", "all_false", "span"])
+@pytest.mark.parametrize("M, K, N", ROUTING_SHAPES, ids=lambda v: str(v))
+def test_backward_with_routing(device, mask_kind, M, K, N):
+    """linear_dual_backward(routing=linear_dual_forward's routing) returns what it returns routing the mask itself,
+    bit for bit (autograd passes the routing; see test_backward_matrix for the gradients against float64)."""
+    dtype = torch.bfloat16
+    x = strided_view((M,), K, dtype, device)
+    mask = make_mask(mask_kind, (M,), device)
+    wv, wt, _, _ = make_weights(N, K, dtype, device, "none")
+    g = strided_view((M,), N, dtype, device)
+    _, routing = OPS.linear_dual_forward(x, mask, wv, wt)
+    want = OPS.linear_dual_backward(g, x, mask, wv, wt)
+    got = OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing)
+    for name, a, b in zip(GRAD_NAMES, got, want):
+        assert torch.equal(a, b), f"{name} differs with the forward's routing"
+
+
+def test_backward_routing_of_another_mask_raises_on_cpu():
+    """On the CPU the routing argument is checked against the mask (on CUDA that would need a host sync)."""
+    M, K, N = 37, 8, 5
+    x = torch.randn(M, K)
+    mask = make_mask("random", (M,))
+    wv, wt, _, _ = make_weights(N, K, torch.float32, "cpu", "none")
+    _, routing = OPS.linear_dual_forward(x, ~mask, wv, wt)
+    with pytest.raises(ERR, match="routing"):
+        OPS.linear_dual_backward(torch.randn(M, N), x, mask, wv, wt, routing=routing)
+
+
 GRAD_NAMES = ("grad_x", "grad_weight_v", "grad_weight_t", "grad_bias_v", "grad_bias_t")
 # output_mask cases: one of each output alone, the backward of a layer without biases, a frozen expert (CogVLM trains
 # the vision expert with the language model's weights frozen), bias-only training, nothing at all
@@ -442,6 +517,7 @@ def test_errors_structural(device):
     mask = make_mask("random", (M,), device)
     wv, wt, bv, bt = make_weights(N, K, torch.float32, device, "both")
     g = strided_view((M,), N, torch.float32, device)
+    routing = OPS.linear_dual_forward(x, mask, wv, wt)[1]
     cases = [
         (r"(?i)mask|bool", lambda: OPS.linear_dual(x, mask.to(torch.int32), wv, wt)),
         (r"(?i)mask|bool", lambda: OPS.linear_dual(x, mask.to(torch.uint8), wv, wt)),
@@ -467,6 +543,11 @@ def test_errors_structural(device):
         (r"(?i)grad", lambda: OPS.linear_dual_backward(g[:-1], x, mask, wv, wt)),  # grad_out [M-1, N]
         (r"(?i)mask|bool", lambda: OPS.linear_dual_backward(g, x, mask.to(torch.uint8), wv, wt)),
         (r"(?i)dtype|type", lambda: OPS.linear_dual_backward(g.half(), x, mask, wv, wt)),
+        ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing.long())),
+        ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing[:-1])),
+        ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing[None])),
+        ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing[::2])),
+        ("routing", lambda: OPS.linear_dual_backward(g[:3], x[:3], mask[:3], wv, wt, routing=routing)),
     ]
     failures = []
     for pattern, fn in cases:
@@ -491,6 +572,8 @@ def test_errors_mixed_devices(gpu_device):
         (r"(?i)bias|device", lambda: OPS.linear_dual(x, mask, wv, wt, bv.cpu(), bt)),
         (r"(?i)\bx\b|device|weight", lambda: OPS.linear_dual(x.cpu(), mask.cpu(), wv, wt)),
         (r"(?i)grad|device", lambda: OPS.linear_dual_backward(torch.zeros(M, N), x, mask, wv, wt)),
+        ("routing", lambda: OPS.linear_dual_backward(torch.zeros(M, N, device=gpu_device), x, mask, wv, wt,
+                                                     routing=OPS.linear_dual_forward(x, mask, wv, wt)[1].cpu())),
     ]
     if torch.cuda.device_count() > 1:
         other = f"cuda:{(torch.device(gpu_device).index + 1) % torch.cuda.device_count()}"
@@ -539,14 +622,16 @@ def test_gradcheck_cpu_leading_shape():
 
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 #: the ops of this file; a test in test_rope_ops.py may collect these names for its every-op-is-opchecked check
-OPCHECKED = ["linear_dual", "linear_dual_backward"]
+OPCHECKED = ["linear_dual", "linear_dual_forward", "linear_dual_backward"]
 
 
 def _opcheck_samples(op_name):
     M, K, N = 6, 5, 3
     mask = make_mask("random", (M,))
-    mk = lambda *s, rg=False: torch.randn(*s, requires_grad=rg)  # noqa: E731
-    if op_name == "linear_dual":
+    # linear_dual_forward is not differentiable (linear_dual's autograd calls it): its samples need no gradient
+    differentiable = op_name == "linear_dual"
+    mk = lambda *s, rg=False: torch.randn(*s, requires_grad=rg and differentiable)  # noqa: E731
+    if op_name in ("linear_dual", "linear_dual_forward"):
         return [
             ((mk(M, K), mask, mk(N, K), mk(N, K)), {}),
             ((mk(M, K, rg=True), mask, mk(N, K, rg=True), mk(N, K, rg=True), mk(N, rg=True), mk(N, rg=True)), {}),
@@ -554,7 +639,9 @@ def _opcheck_samples(op_name):
         ]
     return [((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)), {}),
             ((mk(2, 3, N), mk(2, 3, K), mask.reshape(2, 3), mk(N, K), mk(N, K)), dict(allow_tf32=True)),
-            ((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)), dict(output_mask=[True, True, False, False, True]))]
+            ((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)), dict(output_mask=[True, True, False, False, True])),
+            ((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)),
+             dict(routing=OPS.linear_dual_forward(mk(M, K), mask, mk(N, K), mk(N, K))[1]))]
 
 
 @pytest.mark.parametrize("op_name", OPCHECKED)
@@ -592,6 +679,11 @@ def test_meta_device():
         g = torch.empty(lead + (24,), device="meta", dtype=torch.bfloat16)
         gx, gwv, gwt, gbv, gbt = OPS.linear_dual_backward(g, x, mask, w, w)
         assert gx.shape == x.shape and gwv.shape == gwt.shape == (24, 40) and gbv.shape == gbt.shape == (24,)
+        out2, routing = OPS.linear_dual_forward(x, mask, w, w, b, None)
+        m = math.prod(lead)
+        assert out2.shape == out.shape and routing.dtype == torch.int32 and routing.shape == (8 + (m // 128 + 1 + (
+            m % 128 > 0)) * 128,)
+        assert OPS.linear_dual_backward(g, x, mask, w, w, routing=routing)[0].shape == x.shape
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -77,8 +77,8 @@ def test_cuda_path_without_gpu_raises_cleanly():
 
 
 # Every op of the library that takes tensors, and how the no-JIT test below runs each one.
-EVERY_OP = {"rope_fwd", "rope_bwd", "rope_fwd_", "rope_fwd_qk", "rope_bwd_qk", "linear_dual", "linear_dual_backward",
-            "ffn", "ffn_backward"}
+EVERY_OP = {"rope_fwd", "rope_bwd", "rope_fwd_", "rope_fwd_qk", "rope_bwd_qk", "linear_dual", "linear_dual_forward",
+            "linear_dual_backward", "ffn", "ffn_backward"}
 
 
 def test_no_jit_test_covers_every_op():
@@ -146,9 +146,13 @@ def test_cuda_ops_run_without_triton_or_jit(tmp_path):
                 x = torch.randn(300, 256, device=d, dtype=dt)
                 mask = torch.rand(300, device=d) < 0.5
                 w = lambda *shape: (torch.randn(*shape, device=d) * 0.05).to(dt)
-                differentiate("linear_dual", ("linear_dual", "linear_dual_backward"), ops.linear_dual,
-                              linear_dual_reference, [x, mask, w(192, 256), w(192, 256), w(192), w(192)],
-                              [True, False, True, True, True, True], tol)
+                lin = [x, mask, w(192, 256), w(192, 256), w(192), w(192)]
+                # with gradients, linear_dual's autograd calls linear_dual_forward, then linear_dual_backward
+                differentiate("linear_dual", ("linear_dual_forward", "linear_dual_backward"), ops.linear_dual,
+                              linear_dual_reference, lin, [True, False, True, True, True, True], tol)
+                with torch.inference_mode():  # no autograd: linear_dual's own CUDA kernel
+                    check("linear_dual", ops.linear_dual(*lin), linear_dual_reference(*lin), tol)
+                ran.add("linear_dual")
                 differentiate("ffn dual", ("ffn", "ffn_backward"), ops.ffn, ffn_reference,
                               [x, w(320, 256), w(320, 256), w(256, 320), mask, w(320, 256), w(320, 256), w(256, 320)],
                               [True, True, True, True, False, True, True, True], tol)

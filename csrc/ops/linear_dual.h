@@ -25,6 +25,17 @@ LinearDualGeometry check_linear_dual_backward_inputs(const at::Tensor& grad_out,
                                                      const at::Tensor& mask, const at::Tensor& weight_v,
                                                      const at::Tensor& weight_t);
 
+// The routing of linear_dual_forward: int32 [8 + M_pad], M_pad = (ceil(M / 128) + 1) * 128. Slots 0-4 hold seg =
+// [0, start_1, end, count_0, count_1], slots 5-7 are unused (they keep perm 16-byte aligned), then perm: the row
+// list in expert order, text rows (mask false) from 0 and vision rows from start_1 = roundup(count_0, 128), each
+// in token order and padded with -1 to a multiple of 128, -1 up to M_pad (kernels/GEMM.md, routing).
+int64_t linear_dual_routing_size(int64_t M);
+// linear_dual_backward's `routing` argument: a contiguous 1-D int32 tensor of linear_dual_routing_size(M) elements on
+// x's device (its contents are checked against the mask on the CPU only: reading them on the GPU would sync).
+void check_linear_dual_routing(const std::optional<at::Tensor>& routing, int64_t M, const at::Tensor& x);
+// The routing of `mask` computed with ATen on the CPU (the reference of the CUDA routing kernels' result).
+at::Tensor linear_dual_routing_cpu(const at::Tensor& mask);
+
 using LinearDualGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // Which of the gradients to compute, in LinearDualGrads' order (grad_x, grad_weight_v, grad_weight_t, grad_bias_v,
 // grad_bias_t): the others are returned undefined and cost nothing (a frozen expert's weights, a layer without
@@ -34,23 +45,36 @@ using LinearDualOutputMask = std::array<bool, 5>;
 using LinearDualOp = at::Tensor(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                                 const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                                 const std::optional<at::Tensor>& bias_t, bool allow_tf32);
+// linear_dual_forward: (out, routing), the routing for linear_dual_backward (what autograd saves).
+using LinearDualForwardOp = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v, const at::Tensor& weight_t,
+    const std::optional<at::Tensor>& bias_v, const std::optional<at::Tensor>& bias_t, bool allow_tf32);
 using LinearDualBackwardOp = LinearDualGrads(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
                                              const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
-                                             LinearDualOutputMask output_mask);
+                                             LinearDualOutputMask output_mask,
+                                             const std::optional<at::Tensor>& routing);
 
 // CPU: the ATen reference (each token only through its own expert; math in fp32, fp64 for fp64 inputs).
 at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                            const std::optional<at::Tensor>& bias_t, bool allow_tf32);
+std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cpu(const at::Tensor& x, const at::Tensor& mask,
+                                                           const at::Tensor& weight_v, const at::Tensor& weight_t,
+                                                           const std::optional<at::Tensor>& bias_v,
+                                                           const std::optional<at::Tensor>& bias_t, bool allow_tf32);
 LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
                                          const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
-                                         LinearDualOutputMask output_mask);
+                                         LinearDualOutputMask output_mask, const std::optional<at::Tensor>& routing);
 // CUDA: routing + the routed GEMM kernels (csrc/ops/routed_gemm.h).
 at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                             const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                             const std::optional<at::Tensor>& bias_t, bool allow_tf32);
+std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cuda(const at::Tensor& x, const at::Tensor& mask,
+                                                            const at::Tensor& weight_v, const at::Tensor& weight_t,
+                                                            const std::optional<at::Tensor>& bias_v,
+                                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32);
 LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
                                           const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
-                                          LinearDualOutputMask output_mask);
+                                          LinearDualOutputMask output_mask, const std::optional<at::Tensor>& routing);
 
 }  // namespace fused

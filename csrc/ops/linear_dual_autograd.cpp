@@ -1,6 +1,6 @@
-// Autograd of linear_dual, in C++ so gradients flow from Python, TorchScript and libtorch alike. The backward calls
-// the public fused::linear_dual_backward op through the dispatcher (so it runs on whichever backend holds the
-// tensors). linear_dual_backward itself is not differentiable (no double backward): its Autograd kernel raises if a
+// Autograd of linear_dual, in C++ so gradients flow from Python, TorchScript and libtorch alike. The forward calls
+// fused::linear_dual_forward and saves the routing of the mask it returns; the backward passes it to the public
+// fused::linear_dual_backward op, through the dispatcher (so it runs on whichever backend holds the tensors). linear_dual_backward itself is not differentiable (no double backward): its Autograd kernel raises if a
 // gradient is asked through it.
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -17,14 +17,17 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& mask, const Tensor& weight_v,
                         const Tensor& weight_t, const std::optional<Tensor>& bias_v,
                         const std::optional<Tensor>& bias_t, bool allow_tf32) {
-    ctx->save_for_backward({x, mask, weight_v, weight_t});
     ctx->saved_data["allow_tf32"] = allow_tf32;
     ctx->saved_data["has_bias_v"] = fused::present(bias_v);
     ctx->saved_data["has_bias_t"] = fused::present(bias_t);
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("fused::linear_dual", "").typed<fused::LinearDualOp>();
-    return op.call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32);
+    // linear_dual_forward also returns the routing of mask it used: the backward takes it instead of routing again.
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fused::linear_dual_forward", "")
+                         .typed<fused::LinearDualForwardOp>();
+    auto [out, routing] = op.call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32);
+    ctx->save_for_backward({x, mask, weight_v, weight_t, routing});
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -40,7 +43,7 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
                                               ctx->needs_input_grad(3), has_bv && ctx->needs_input_grad(4),
                                               has_bt && ctx->needs_input_grad(has_bv ? 5 : 4)};
     auto [gx, gw_v, gw_t, gb_v, gb_t] = op.call(grads[0], s[0], s[1], s[2], s[3],
-                                                ctx->saved_data["allow_tf32"].toBool(), want);
+                                                ctx->saved_data["allow_tf32"].toBool(), want, s[4]);
     return {gx, Tensor() /* mask */, gw_v, gw_t, gb_v, gb_t, Tensor() /* allow_tf32 */};
   }
 };
@@ -53,5 +56,6 @@ Tensor linear_dual(const Tensor& x, const Tensor& mask, const Tensor& weight_v, 
 
 TORCH_LIBRARY_IMPL(fused, Autograd, m) {
   m.impl("linear_dual", linear_dual);
+  m.impl("linear_dual_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("linear_dual_backward", torch::autograd::autogradNotImplementedFallback());
 }

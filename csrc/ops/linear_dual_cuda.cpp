@@ -1,6 +1,6 @@
 // CUDA implementation of linear_dual on the routed GEMM core (csrc/ops/routed_gemm.h):
 //   forward      route(mask) -> routed_linear (x gathered through perm, out scattered back), bias in the epilogue;
-//   backward     route(mask) -> grad_x = routed_linear(grad_out, W_e, W_TRANSPOSED)
+//   backward     route(mask), or the forward's routing -> grad_x = routed_linear(grad_out, W_e, W_TRANSPOSED)
 //                             -> (dW_e, db_e) = routed_grad_weight(grad_out, x) in one pass
 //                (TMA: grad_out and x gathered once into expert-ordered buffers that both GEMMs read; db_e summed
 //                by grad_out's gather). Only the gradients of output_mask are computed: no grad-input GEMM
@@ -9,7 +9,8 @@
 // Path: the Hopper TMA kernels on sm_90 when K and N are multiples of 16 bytes (x / grad_out gathered into an
 // expert-ordered buffer first, weights as one rank-3 descriptor; see Experts::stacked for when that copies), else
 // the pointer kernels (an aligned variant with divisibility hints when pointers, K, N and strides allow, else the
-// generic one; the runtime picks). Nothing syncs the host; M = 0 launches nothing.
+// generic one; the runtime picks). Nothing syncs the host; M = 0 launches nothing (linear_dual_forward: only the
+// routing it returns).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -23,9 +24,11 @@ constexpr const char* kOp = "linear_dual";
 at::Tensor vec(const at::Tensor& b) { return b.is_contiguous() ? b : b.contiguous(); }
 }  // namespace
 
-at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
-                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
-                            const std::optional<at::Tensor>& bias_t, bool allow_tf32) {
+namespace {
+// The forward; `routing` also returns the routing it used (written in full, for linear_dual_backward).
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
+                                           const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
+                                           const std::optional<at::Tensor>& bias_t, bool allow_tf32, bool routing) {
   check_cuda(x, "x", kOp);
   check_cuda(mask, "mask", kOp);
   check_cuda(weight_v, "weight_v", kOp);
@@ -35,10 +38,14 @@ at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const a
   const LinearDualGeometry geo = check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({geo.M, geo.N}, x.options());
-  if (geo.M == 0 || geo.N == 0) return out.view(with_last(x, geo.N));
+  if ((geo.M == 0 || geo.N == 0) && !routing) return {out.view(with_last(x, geo.N)), at::Tensor()};
 
-  const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
   const routed::Routing r = routed::route(mask);
+  if (geo.M == 0 || geo.N == 0) {  // nothing to compute; the routing asked for is still written
+    routed::ensure_routed(r);
+    return {out.view(with_last(x, geo.N)), r.buffer};
+  }
+  const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
   routed::Experts w(weight_t, weight_v, /*single=*/false);  // expert 0 = text, 1 = vision
   at::Tensor b0, b1;                                         // a missing bias of the two is zero
   if (present(bias_v) || present(bias_t)) {
@@ -48,18 +55,34 @@ at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const a
   // K = 0 takes the pointer kernel (no TMA descriptor of an empty dimension): out = bias_e (or 0).
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);
   routed::linear(g, r, routed::tokens(as_rows(x)), w, b0, b1, routed::tokens(out), /*w_transposed=*/false, tma);
-  return out.view(with_last(x, geo.N));
+  // Every path of routed::linear leaves perm and seg written (by a routing kernel or by the GEMM that routed itself).
+  return {out.view(with_last(x, geo.N)), routing ? r.buffer : at::Tensor()};
+}
+}  // namespace
+
+at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
+                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
+                            const std::optional<at::Tensor>& bias_t, bool allow_tf32) {
+  return std::get<0>(forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, /*routing=*/false));
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cuda(const at::Tensor& x, const at::Tensor& mask,
+                                                            const at::Tensor& weight_v, const at::Tensor& weight_t,
+                                                            const std::optional<at::Tensor>& bias_v,
+                                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32) {
+  return forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, /*routing=*/true);
 }
 
 LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
                                           const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
-                                          LinearDualOutputMask output_mask) {
+                                          LinearDualOutputMask output_mask, const std::optional<at::Tensor>& routing) {
   check_cuda(grad_out, "grad_out", kOp);
   check_cuda(x, "x", kOp);
   check_cuda(mask, "mask", kOp);
   check_cuda(weight_v, "weight_v", kOp);
   check_cuda(weight_t, "weight_t", kOp);
   const LinearDualGeometry geo = check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
+  check_linear_dual_routing(routing, geo.M, x);
   c10::cuda::CUDAGuard guard(x.device());
   const auto opt = x.options();
   // The outputs asked for (output_mask: grad_x, grad_weight_v, grad_weight_t, grad_bias_v, grad_bias_t); the others
@@ -87,7 +110,8 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   if (!want_gx && !any_gw && !any_gb) return result();
 
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
-  const routed::Routing r = routed::route(mask);
+  // The forward's routing when given (what autograd passes): no routing launch here.
+  const routed::Routing r = present(routing) ? routed::routing_of(*routing, geo.M) : routed::route(mask);
   routed::Experts w(weight_t, weight_v, /*single=*/false);
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);
   // TMA: dy gathered once into an expert-ordered buffer that the grad-input and grad-weight GEMMs share, x only

@@ -13,9 +13,19 @@ Tensor fwd(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Te
   return at::empty(fused::with_last(x, g.N), x.options());
 }
 
+std::tuple<Tensor, Tensor> fwd_routing(const Tensor& x, const Tensor& mask, const Tensor& weight_v,
+                                      const Tensor& weight_t, const std::optional<Tensor>& bias_v,
+                                      const std::optional<Tensor>& bias_t, bool /*allow_tf32*/) {
+  const auto g = fused::check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t);
+  return {at::empty(fused::with_last(x, g.N), x.options()),
+          at::empty({fused::linear_dual_routing_size(g.M)}, x.options().dtype(at::kInt))};
+}
+
 fused::LinearDualGrads bwd(const Tensor& grad_out, const Tensor& x, const Tensor& mask, const Tensor& weight_v,
-                           const Tensor& weight_t, bool /*allow_tf32*/, fused::LinearDualOutputMask output_mask) {
+                           const Tensor& weight_t, bool /*allow_tf32*/, fused::LinearDualOutputMask output_mask,
+                           const std::optional<Tensor>& routing) {
   const auto g = fused::check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
+  fused::check_linear_dual_routing(routing, g.M, x);
   const auto opt = x.options();
   const auto out = [&](int i, at::IntArrayRef size) { return output_mask[i] ? at::empty(size, opt) : Tensor(); };
   return {out(0, x.sizes()), out(1, {g.N, g.K}), out(2, {g.N, g.K}), out(3, {g.N}), out(4, {g.N})};
@@ -24,5 +34,6 @@ fused::LinearDualGrads bwd(const Tensor& grad_out, const Tensor& x, const Tensor
 
 TORCH_LIBRARY_IMPL(fused, Meta, m) {
   m.impl("linear_dual", fwd);
+  m.impl("linear_dual_forward", fwd_routing);
   m.impl("linear_dual_backward", bwd);
 }

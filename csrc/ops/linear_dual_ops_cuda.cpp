@@ -5,5 +5,6 @@
 
 TORCH_LIBRARY_IMPL(fused, CUDA, m) {
   m.impl("linear_dual", fused::linear_dual_cuda);
+  m.impl("linear_dual_forward", fused::linear_dual_forward_cuda);
   m.impl("linear_dual_backward", fused::linear_dual_backward_cuda);
 }

@@ -106,16 +106,20 @@ int64_t one_block_size(int64_t M) {
 const void* mask_arg(const Routing& r) { return r.M > 0 ? r.pending.data_ptr() : r.perm.data_ptr(); }
 
 // For a token-order gather GEMM about to launch: the ROUTE_BLOCK with which it routes a deferred routing in its own
-// programs (kernels/GEMM.md 7b; one_block_size(M), in the key as "route"), 0 when perm / seg are written already, and
-// its mask argument. The caller clears `pending` once the kernel is launched.
+// programs (kernels/GEMM.md 7b; one_block_size(M) up to kRouteInsideMax rows, in the key as "route"), 0 when perm /
+// seg are written already (past kRouteInsideMax this writes them first), and its mask argument. The caller clears
+// `pending` once the kernel is launched.
 struct RouteHere {
   int64_t block;
   const void* mask;
 };
 RouteHere route_here(const Routing& r) {
+  if (r.pending.defined() && r.M > kRouteInsideMax) ensure_routed(r);  // routing first: see kRouteInsideMax
   if (!r.pending.defined()) return {0, r.perm.data_ptr()};
   return {one_block_size(r.M), mask_arg(r)};
 }
+
+}  // namespace
 
 // Writes a deferred routing's perm / seg (one launch of the one-block routing kernel); nothing when already written.
 void ensure_routed(const Routing& r) {
@@ -128,7 +132,17 @@ void ensure_routed(const Routing& r) {
   r.pending = at::Tensor();
 }
 
-}  // namespace
+Routing routing_of(const at::Tensor& buffer, int64_t M) {
+  TORCH_INTERNAL_ASSERT(buffer.scalar_type() == at::kInt && buffer.is_contiguous() &&
+                        buffer.numel() == routing_buffer_size(M));
+  Routing r;
+  r.M = M;
+  r.M_pad = buffer.numel() - kSegSlots;
+  r.buffer = buffer;
+  r.seg = buffer.narrow(0, 0, 5);
+  r.perm = buffer.narrow(0, kSegSlots, r.M_pad);
+  return r;
+}
 
 Routing route(const at::Tensor& mask, bool aligned) {
   Routing r;
@@ -138,8 +152,9 @@ Routing route(const at::Tensor& mask, bool aligned) {
   r.aligned = aligned;
   r.M_pad = aligned ? (cdiv(r.M, kAlign) + 1) * kAlign : r.M + kRowTail;  // kernels/routing.py: padded_rows
   const auto iopt = m.options().dtype(at::kInt);
-  r.perm = at::empty({r.M_pad}, iopt);
-  r.seg = at::empty({5}, iopt);
+  r.buffer = at::empty({kSegSlots + r.M_pad}, iopt);
+  r.seg = r.buffer.narrow(0, 0, 5);
+  r.perm = r.buffer.narrow(0, kSegSlots, r.M_pad);
   if (one_block_size(r.M) > 0) {  // one program routes it: deferred to the first kernel that reads perm / seg
     r.pending = m;
     return r;
