@@ -32,17 +32,17 @@ def table(arch: int) -> Dict:
 
 
 def route_blocks(kernel: str, family: str, cfg: Dict) -> List[int]:
-    """The ROUTE_BLOCKs a gather GEMM that routes for itself needs with config `cfg`: route_inside_block(m) of every m
-    its buckets serve in any architecture's table (kernels/routing.py route_inside_blocks; 0 = m past
-    ROUTE_INSIDE_MAX, a routing launch comes first). The C++ launcher asks for the same."""
-    from kernels.routing import route_inside_blocks
+    """The ROUTE_BLOCKs a gather GEMM that routes for itself needs with config `cfg`: the one-block routing size of
+    every m its buckets serve in any architecture's table (kernels/routing.py one_block_sizes; 0 = m too large to
+    route in the kernel, a routing launch comes first). The C++ launcher asks for one_block_size(m)."""
+    from kernels.routing import one_block_sizes
     sizes: Dict[int, None] = {}
     for arch in ARCHS:
         lo = 0
         for e in config_table.buckets(table(arch), kernel, family):
             hi = e.get("max_m")
             if not e.get("off") and config_table.cfg_str(e) == config_table.cfg_str(cfg):
-                sizes.update(dict.fromkeys(route_inside_blocks(lo, hi)))
+                sizes.update(dict.fromkeys(one_block_sizes(lo, hi)))
             lo = hi if hi is not None else lo
     return list(sizes)
 

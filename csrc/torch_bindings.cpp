@@ -27,7 +27,7 @@ TORCH_LIBRARY(fused, m) {
   // Modality-routed linear (docs/design.md): out[i] = x[i]·weight_vᵀ + bias_v if mask[i] else x[i]·weight_tᵀ + bias_t.
   m.def("linear_dual(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
         "Tensor? bias_t=None, bool allow_tf32=False) -> Tensor");
-  // linear_dual and the routing of mask it used (int32 [8 + M_pad], csrc/ops/linear_dual.h), for linear_dual_backward:
+  // linear_dual and the routing of mask it used (int32 [M + 264], csrc/ops/linear_dual.h), for linear_dual_backward:
   // what autograd's forward calls and saves.
   m.def("linear_dual_forward(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
         "Tensor? bias_t=None, bool allow_tf32=False) -> (Tensor, Tensor)");

@@ -55,32 +55,20 @@ def single_padded_rows(M: int, align: int) -> int:
 
 def one_block_size(M: int) -> int:
     """The BLOCK of the one-block routing of a mask of M rows (the smallest of ONE_BLOCK_SMALL / _MID / ONE_BLOCK that
-    holds it), or 0 when M > ONE_BLOCK (the two-kernel pass). The C++ launcher chooses the same way (routed_gemm.cpp)."""
+    holds it), or 0 when M > ONE_BLOCK (the two-kernel pass). The C++ launcher chooses the same way (routed_gemm.cpp);
+    a gather GEMM that routes for itself is compiled with this as its ROUTE_BLOCK (aot/manifest.py)."""
     for block in (ONE_BLOCK_SMALL, ONE_BLOCK_MID, ONE_BLOCK):
         if M <= block:
             return block
     return 0
 
 
-# The gather GEMMs route a mask themselves (ROUTE_BLOCK) only up to this many rows; past it the routing kernel runs
-# first. Every program of the GEMM repeats the routing, and the 4096-lane one held all of them up longer than a launch
-# of its own costs: 4096^3 bf16 linear_dual forward, 1.105-1.111x cuBLAS routing inside vs 1.090-1.104 launched
-# first (H100, CUDA graphs; docs/perf.md v16). Up to 1024 rows (decode, short prefill) routing inside saves a launch.
-ROUTE_INSIDE_MAX = ONE_BLOCK_MID
-
-
-def route_inside_block(M: int) -> int:
-    """The ROUTE_BLOCK a gather GEMM routes a mask of M rows with: one_block_size(M) up to ROUTE_INSIDE_MAX, else 0
-    (the routing kernel runs first). The C++ launcher chooses the same way (routed_gemm.cpp route_here)."""
-    return one_block_size(M) if M <= ROUTE_INSIDE_MAX else 0
-
-
-def route_inside_blocks(lo: int, hi) -> list:
-    """route_inside_block(m) for every m in (lo, hi] (hi None: unbounded), each once. The value changes only at
-    m = b + 1 for the one-block sizes b, so m = lo + 1 and those points in the range give every value."""
+def one_block_sizes(lo: int, hi) -> list:
+    """one_block_size(m) for every m in (lo, hi] (hi None: unbounded), each once. The size changes only at m = b + 1
+    for the blocks b, so m = lo + 1 and those points in the range give every value."""
     blocks = (ONE_BLOCK_SMALL, ONE_BLOCK_MID, ONE_BLOCK)
     points = [lo + 1] + [b + 1 for b in blocks if lo + 1 < b + 1 and (hi is None or b + 1 <= hi)]
-    return list(dict.fromkeys(route_inside_block(m) for m in points))
+    return list(dict.fromkeys(one_block_size(m) for m in points))
 
 
 def num_route_blocks(M: int, chunk: int) -> int:

@@ -126,10 +126,9 @@ def test_manifest_compiles_every_config_for_its_architectures():
 @pytest.mark.parametrize("kernel, align", [("routed_linear_gather_tma_kernel", ct.ROUTING_ALIGN),
                                            ("routed_swiglu_gather_tma_kernel", 1)])
 def test_gather_kernels_compile_the_route_block_of_every_m(kernel, align):
-    """The gather TMA kernels route a deferred routing themselves up to ROUTE_INSIDE_MAX rows, past it the routing
-    kernel runs first: for every m a bucket serves, the launcher asks for route=route_inside_block(m) with that
-    bucket's config (csrc/ops/routed_gemm.cpp)."""
-    from kernels.routing import ONE_BLOCK, route_inside_block
+    """The gather TMA kernels route a deferred routing themselves: for every m a bucket serves up to the one-block
+    limit, the launcher asks for route=one_block_size(m) with that bucket's config (csrc/ops/routed_gemm.cpp)."""
+    from kernels.routing import ONE_BLOCK, one_block_size
     keys = {(v.key["dtype"], v.key["prec"], v.key["cfg"], v.key["route"], v.key["align"]) for v in manifest.variants()
             if v.name == kernel}
     table = TABLES[90]
@@ -137,12 +136,11 @@ def test_gather_kernels_compile_the_route_block_of_every_m(kernel, align):
         fam = ct.family(dt, prec)
         if not table["kernels"].get(kernel, {}).get(fam):
             continue
-        for m in sorted({1, 2, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1000, 1024, 1025, 4095, ONE_BLOCK,
-                          ONE_BLOCK + 1}):
+        for m in sorted({1, 2, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1000, 1024, 1025, 4095, ONE_BLOCK}):
             e = ct.pick(table, kernel, fam, m)
             if e.get("off"):
                 continue
-            want = (dt, prec, ct.cfg_str(e), route_inside_block(m), align)
+            want = (dt, prec, ct.cfg_str(e), one_block_size(m), align)
             assert want in keys, f"{kernel}: no variant {want} for m = {m}"
 
 

@@ -165,9 +165,10 @@ def test_backward_op_direct(device, mask_kind, dtype):
 
 
 def routing_reference(mask):
-    """linear_dual_forward's routing, written out from its definition (csrc/ops/linear_dual.h): int32 [8 + M_pad],
-    M_pad = (ceil(M / 128) + 1) * 128; seg = [0, start_1, end, count_0, count_1] in slots 0-4 (5-7 unused), then perm:
-    text rows in token order from 0, vision rows from start_1 = roundup(count_0, 128), -1 everywhere else."""
+    """linear_dual_forward's routing, written out from its definition (csrc/ops/linear_dual.h): int32 [M + 264];
+    seg = [0, start_1, end, count_0, count_1] in slots 0-4 (5-7 unused), then perm in [8, 8 + M_pad),
+    M_pad = (ceil(M / 128) + 1) * 128: text rows in token order from 0, vision rows from start_1 =
+    roundup(count_0, 128), -1 everywhere else. Returns (seg, perm)."""
     m = mask.reshape(-1).cpu()
     M = m.numel()
     up = lambda n: -(-n // 128) * 128  # noqa: E731
@@ -180,8 +181,8 @@ def routing_reference(mask):
     return torch.tensor(seg, dtype=torch.int32), torch.tensor(perm, dtype=torch.int32)
 
 
-def split_routing(routing):
-    return routing[:5].cpu(), routing[8:].cpu()
+def split_routing(routing, M):
+    return routing[:5].cpu(), routing[8:8 + (-(-M // 128) + 1) * 128].cpu()
 
 
 # (M, K, N) of the routing tests: M = 0, 1, odd M; on CUDA with K, N that TMA takes on sm_90: M <= 1024 is routed
@@ -200,12 +201,11 @@ def test_forward_routing(device, mask_kind, M, K, N):
     wv, wt, bv, bt = make_weights(N, K, dtype, device, "both")
     with torch.inference_mode():
         want = OPS.linear_dual(x, mask, wv, wt, bv, bt)
-    poison_allocator(device, (M * N + 8 + (M // 128 + 2) * 128) * 4)
+    poison_allocator(device, (M * N + M + 264) * 4)
     out, routing = OPS.linear_dual_forward(x, mask, wv, wt, bv, bt)
     assert torch.equal(out, want)
-    assert routing.dtype == torch.int32 and routing.device == x.device and routing.shape == (8 + (-(-M // 128) + 1)
-                                                                                             * 128,)
-    seg, perm = split_routing(routing)
+    assert routing.dtype == torch.int32 and routing.device == x.device and routing.shape == (M + 264,)
+    seg, perm = split_routing(routing, M)
     want_seg, want_perm = routing_reference(mask)
     assert torch.equal(seg, want_seg), f"seg {seg.tolist()} != {want_seg.tolist()}"
     assert torch.equal(perm, want_perm)
@@ -547,7 +547,7 @@ def test_errors_structural(device):
         ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing[:-1])),
         ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing[None])),
         ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing[::2])),
-        ("routing", lambda: OPS.linear_dual_backward(g[:3], x[:3], mask[:3], wv, wt, routing=routing)),
+        ("routing", lambda: OPS.linear_dual_backward(g[:5], x[:5], mask[:5], wv, wt, routing=routing)),  # M 6 != 5
     ]
     failures = []
     for pattern, fn in cases:
@@ -680,9 +680,7 @@ def test_meta_device():
         gx, gwv, gwt, gbv, gbt = OPS.linear_dual_backward(g, x, mask, w, w)
         assert gx.shape == x.shape and gwv.shape == gwt.shape == (24, 40) and gbv.shape == gbt.shape == (24,)
         out2, routing = OPS.linear_dual_forward(x, mask, w, w, b, None)
-        m = math.prod(lead)
-        assert out2.shape == out.shape and routing.dtype == torch.int32 and routing.shape == (8 + (m // 128 + 1 + (
-            m % 128 > 0)) * 128,)
+        assert out2.shape == out.shape and routing.dtype == torch.int32 and routing.shape == (math.prod(lead) + 264,)
         assert OPS.linear_dual_backward(g, x, mask, w, w, routing=routing)[0].shape == x.shape
 
 

@@ -46,7 +46,8 @@ at::Tensor linear_dual_routing_cpu(const at::Tensor& mask) {
   at::Tensor buf = at::full({linear_dual_routing_size(M)}, -1, m.options().dtype(at::kInt));
   buf.narrow(0, 0, routed::kSegSlots).copy_(at::tensor({int64_t{0}, start1, end, count0, count1, int64_t{0},
                                                         int64_t{0}, int64_t{0}}, at::kInt));
-  at::Tensor perm = buf.narrow(0, routed::kSegSlots, buf.numel() - routed::kSegSlots);
+  at::Tensor perm = buf.narrow(0, routed::kSegSlots, (M + routed::kAlign - 1) / routed::kAlign * routed::kAlign +
+                                                        routed::kAlign);
   perm.narrow(0, 0, count0).copy_(m.logical_not().nonzero().flatten());
   perm.narrow(0, start1, count1).copy_(m.nonzero().flatten());
   return buf;
@@ -65,11 +66,13 @@ LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::T
                                          LinearDualOutputMask output_mask, const std::optional<at::Tensor>& routing) {
   const LinearDualGeometry g = check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
   check_linear_dual_routing(routing, g.M, x);
-  if (present(routing)) {  // the CPU routes from the mask; a routing given must be the mask's (slots 5-7 unused)
+  if (present(routing)) {  // the CPU routes from the mask; a routing given must be the mask's (seg and perm)
     const at::Tensor want = linear_dual_routing_cpu(mask);
-    const at::Tensor seg = routing->narrow(0, 0, 5), perm = routing->narrow(0, routed::kSegSlots, want.numel() -
-                                                                                                   routed::kSegSlots);
-    TORCH_CHECK(seg.equal(want.narrow(0, 0, 5)) && perm.equal(want.narrow(0, routed::kSegSlots, perm.numel())),
+    const int64_t n = (g.M + routed::kAlign - 1) / routed::kAlign * routed::kAlign + routed::kAlign;  // M_pad
+    const auto used = [&](const at::Tensor& t) {
+      return at::cat({t.narrow(0, 0, 5), t.narrow(0, routed::kSegSlots, n)});
+    };
+    TORCH_CHECK(used(*routing).equal(used(want)),
                 "linear_dual: routing is not the routing of this mask (pass the routing that linear_dual_forward "
                 "returned for the same mask)");
   }

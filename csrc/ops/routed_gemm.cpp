@@ -106,15 +106,13 @@ int64_t one_block_size(int64_t M) {
 const void* mask_arg(const Routing& r) { return r.M > 0 ? r.pending.data_ptr() : r.perm.data_ptr(); }
 
 // For a token-order gather GEMM about to launch: the ROUTE_BLOCK with which it routes a deferred routing in its own
-// programs (kernels/GEMM.md 7b; one_block_size(M) up to kRouteInsideMax rows, in the key as "route"), 0 when perm /
-// seg are written already (past kRouteInsideMax this writes them first), and its mask argument. The caller clears
-// `pending` once the kernel is launched.
+// programs (kernels/GEMM.md 7b; one_block_size(M), in the key as "route"), 0 when perm / seg are written already, and
+// its mask argument. The caller clears `pending` once the kernel is launched.
 struct RouteHere {
   int64_t block;
   const void* mask;
 };
 RouteHere route_here(const Routing& r) {
-  if (r.pending.defined() && r.M > kRouteInsideMax) ensure_routed(r);  // routing first: see kRouteInsideMax
   if (!r.pending.defined()) return {0, r.perm.data_ptr()};
   return {one_block_size(r.M), mask_arg(r)};
 }
@@ -137,7 +135,7 @@ Routing routing_of(const at::Tensor& buffer, int64_t M) {
                         buffer.numel() == routing_buffer_size(M));
   Routing r;
   r.M = M;
-  r.M_pad = buffer.numel() - kSegSlots;
+  r.M_pad = (cdiv(M, kAlign) + 1) * kAlign;  // as route() makes it
   r.buffer = buffer;
   r.seg = buffer.narrow(0, 0, 5);
   r.perm = buffer.narrow(0, kSegSlots, r.M_pad);
@@ -152,7 +150,7 @@ Routing route(const at::Tensor& mask, bool aligned) {
   r.aligned = aligned;
   r.M_pad = aligned ? (cdiv(r.M, kAlign) + 1) * kAlign : r.M + kRowTail;  // kernels/routing.py: padded_rows
   const auto iopt = m.options().dtype(at::kInt);
-  r.buffer = at::empty({kSegSlots + r.M_pad}, iopt);
+  r.buffer = at::empty({routing_buffer_size(r.M)}, iopt);
   r.seg = r.buffer.narrow(0, 0, 5);
   r.perm = r.buffer.narrow(0, kSegSlots, r.M_pad);
   if (one_block_size(r.M) > 0) {  // one program routes it: deferred to the first kernel that reads perm / seg

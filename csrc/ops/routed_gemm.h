@@ -41,9 +41,6 @@ constexpr int64_t kOneBlock = 4096;   // kernels/routing.py ONE_BLOCK: masks up 
 constexpr int64_t kOneBlockSmall = 64;  // kernels/routing.py ONE_BLOCK_SMALL / _MID: smaller one-launch routings (the
 constexpr int64_t kOneBlockMid = 1024;  // smallest that holds the mask; decode steps take the 64-lane one)
 constexpr int64_t kSingleBlock = 1024;  // kernels/routing.py SINGLE_BLOCK
-// kernels/routing.py ROUTE_INSIDE_MAX: the gather GEMMs route a deferred routing in their own programs up to this many
-// rows; past it the routing kernel runs first (every program repeating a 4096-lane routing costs more than a launch).
-constexpr int64_t kRouteInsideMax = kOneBlockMid;
 
 // perm int32 [M_pad] and seg int32 [5] = [0, start_1, end, count_0, count_1] on the device (kernels/GEMM.md).
 // aligned: each expert's segment starts at a multiple of kAlign and is padded to one (expert-ordered buffers have
@@ -58,8 +55,9 @@ constexpr int64_t kRouteInsideMax = kOneBlockMid;
 // kernel. A launcher that consumes it clears `pending` (mutable: the state of the device buffers, not of the routing).
 struct Routing {
   at::Tensor perm, seg;
-  // route(): the one allocation that holds both, int32 [kSegSlots + M_pad] = seg, 3 unused slots (perm stays 16-byte
-  // aligned), perm. The linear_dual forward hands it to its backward (routing_of), which then routes nothing.
+  // route(): the one allocation that holds both, int32 [routing_buffer_size(M)] = seg, 3 unused slots (perm stays
+  // 16-byte aligned), perm, unused entries. The linear_dual forward hands it to its backward (routing_of), which then
+  // routes nothing.
   at::Tensor buffer;
   int64_t M = 0, M_pad = 0;
   bool single = false;  // one expert: every row is expert 0, seg[4] == 0
@@ -74,9 +72,11 @@ struct Routing {
 Routing route(const at::Tensor& mask, bool aligned = true);
 // Writes a deferred routing's perm / seg now (one launch); nothing when they are written already.
 void ensure_routed(const Routing& r);
-// The slots of Routing::buffer ahead of perm (seg and 3 unused), and its length for an aligned routing of M rows.
+// The slots of Routing::buffer ahead of perm (seg and 3 unused), and its length for M rows: M + 2 * kAlign entries
+// hold perm of either routing (M_pad <= M + 2 * kAlign - 1), and the length pins M exactly (a routing passed back to
+// an op is checked by its size; its contents would need a host sync).
 constexpr int64_t kSegSlots = 8;
-inline int64_t routing_buffer_size(int64_t M) { return kSegSlots + ((M + kAlign - 1) / kAlign + 1) * kAlign; }
+inline int64_t routing_buffer_size(int64_t M) { return kSegSlots + M + 2 * kAlign; }
 // The aligned two-expert routing of M rows held in `buffer`: route()'s buffer of the same mask, written (the caller
 // checked its dtype, device and size).
 Routing routing_of(const at::Tensor& buffer, int64_t M);
