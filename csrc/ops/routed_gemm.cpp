@@ -150,7 +150,9 @@ Routing route(const at::Tensor& mask, bool aligned) {
   r.aligned = aligned;
   r.M_pad = aligned ? (cdiv(r.M, kAlign) + 1) * kAlign : r.M + kRowTail;  // kernels/routing.py: padded_rows
   const auto iopt = m.options().dtype(at::kInt);
-  r.buffer = at::empty({routing_buffer_size(r.M)}, iopt);
+  // Aligned: linear_dual_forward may return it (its length pins M). Unaligned (the ffn forward, whose memory target
+  // counts every byte beside h): just seg's slots and perm.
+  r.buffer = at::empty({aligned ? routing_buffer_size(r.M) : kSegSlots + r.M_pad}, iopt);
   r.seg = r.buffer.narrow(0, 0, 5);
   r.perm = r.buffer.narrow(0, kSegSlots, r.M_pad);
   if (one_block_size(r.M) > 0) {  // one program routes it: deferred to the first kernel that reads perm / seg

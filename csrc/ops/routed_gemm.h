@@ -55,9 +55,9 @@ constexpr int64_t kSingleBlock = 1024;  // kernels/routing.py SINGLE_BLOCK
 // kernel. A launcher that consumes it clears `pending` (mutable: the state of the device buffers, not of the routing).
 struct Routing {
   at::Tensor perm, seg;
-  // route(): the one allocation that holds both, int32 [routing_buffer_size(M)] = seg, 3 unused slots (perm stays
-  // 16-byte aligned), perm, unused entries. The linear_dual forward hands it to its backward (routing_of), which then
-  // routes nothing.
+  // route(): the one allocation that holds both, int32: seg, 3 unused slots (perm stays 16-byte aligned), perm; an
+  // aligned routing's has routing_buffer_size(M) entries (unused ones after perm), an unaligned one's just
+  // kSegSlots + M_pad. The linear_dual forward hands it to its backward (routing_of), which then routes nothing.
   at::Tensor buffer;
   int64_t M = 0, M_pad = 0;
   bool single = false;  // one expert: every row is expert 0, seg[4] == 0
@@ -72,9 +72,9 @@ struct Routing {
 Routing route(const at::Tensor& mask, bool aligned = true);
 // Writes a deferred routing's perm / seg now (one launch); nothing when they are written already.
 void ensure_routed(const Routing& r);
-// The slots of Routing::buffer ahead of perm (seg and 3 unused), and its length for M rows: M + 2 * kAlign entries
-// hold perm of either routing (M_pad <= M + 2 * kAlign - 1), and the length pins M exactly (a routing passed back to
-// an op is checked by its size; its contents would need a host sync).
+// The slots of Routing::buffer ahead of perm (seg and 3 unused), and its length for an aligned routing of M rows:
+// M + 2 * kAlign entries hold perm (M_pad <= M + 2 * kAlign - 1), and the length pins M exactly (a routing passed
+// back to an op is checked by its size; its contents would need a host sync).
 constexpr int64_t kSegSlots = 8;
 inline int64_t routing_buffer_size(int64_t M) { return kSegSlots + M + 2 * kAlign; }
 // The aligned two-expert routing of M rows held in `buffer`: route()'s buffer of the same mask, written (the caller
