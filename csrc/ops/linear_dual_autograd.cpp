@@ -1,7 +1,8 @@
 // Autograd of linear_dual, in C++ so gradients flow from Python, TorchScript and libtorch alike. The forward calls
 // fused::linear_dual_forward and saves the routing of the mask it returns; the backward passes it to the public
-// fused::linear_dual_backward op, through the dispatcher (so it runs on whichever backend holds the tensors). linear_dual_backward itself is not differentiable (no double backward): its Autograd kernel raises if a
-// gradient is asked through it.
+// fused::linear_dual_backward op, through the dispatcher (so it runs on whichever backend holds the tensors).
+// linear_dual_forward and linear_dual_backward are not differentiable themselves (no double backward): their
+// Autograd kernels raise if a gradient is asked through them.
 #include <torch/autograd.h>
 #include <torch/library.h>
 

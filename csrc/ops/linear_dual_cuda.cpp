@@ -22,9 +22,7 @@ namespace {
 constexpr const char* kOp = "linear_dual";
 
 at::Tensor vec(const at::Tensor& b) { return b.is_contiguous() ? b : b.contiguous(); }
-}  // namespace
 
-namespace {
 // The forward; `routing` also returns the routing it used (written in full, for linear_dual_backward).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
