@@ -185,8 +185,9 @@ def split_routing(routing, M):
     return routing[:5].cpu(), routing[8:8 + (-(-M // 128) + 1) * 128].cpu()
 
 
-# (M, K, N) of the routing tests: M = 0, 1, odd M; on CUDA with K, N that TMA takes on sm_90: M <= 1024 is routed
-# inside the forward GEMM, 1025-4096 by the one-block routing kernel first, past 4096 by the two-kernel pass
+# (M, K, N) of the routing tests: M = 0, 1, odd M; on CUDA with K, N that TMA takes on sm_90 the forward routes
+# 2 <= M <= 4096 inside its gather GEMM, M = 1 with the one-block routing kernel (the m = 1 bucket copies x's rows
+# first), and M = 5000 with the two-kernel pass
 ROUTING_SHAPES = [(0, 24, 16), (1, 24, 16), (37, 40, 24), (300, 64, 48), (1500, 64, 48), (5000, 64, 48)]
 
 
