@@ -186,8 +186,7 @@ def split_routing(routing, M):
 
 
 # (M, K, N) of the routing tests: M = 0, 1, odd M; on CUDA with K, N that TMA takes on sm_90 the forward routes
-# 2 <= M <= 4096 inside its gather GEMM, M = 1 with the one-block routing kernel (the m = 1 bucket copies x's rows
-# first), and M = 5000 with the two-kernel pass
+# 1 <= M <= 4096 inside its gather GEMM and M = 5000 with the two-kernel pass; M = 0 launches the routing kernel only
 ROUTING_SHAPES = [(0, 24, 16), (1, 24, 16), (37, 40, 24), (300, 64, 48), (1500, 64, 48), (5000, 64, 48)]
 
 
