@@ -29,10 +29,10 @@ LinearDualGeometry check_linear_dual_backward_inputs(const at::Tensor& grad_out,
 // slots 5-7 are unused (they keep perm 16-byte aligned), slots [8, 8 + M_pad) perm with M_pad = (ceil(M / 128) + 1) *
 // 128: the row list in expert order, text rows (mask false) from 0 and vision rows from start_1 = roundup(count_0,
 // 128), each in token order and padded with -1 to a multiple of 128, -1 up to M_pad (kernels/GEMM.md, routing); the
-// rest is unused. The length pins M, so a routing of another number of tokens is rejected.
-int64_t linear_dual_routing_size(int64_t M);
-// linear_dual_backward's `routing` argument: a contiguous 1-D int32 tensor of linear_dual_routing_size(M) elements on
-// x's device. Its contents are checked against the mask on the CPU only (reading them on the GPU would sync the
+// rest is unused: routed::routing_buffer_size(M) entries (csrc/ops/routed_gemm.h). The length pins M, so a routing of
+// another number of tokens is rejected.
+// linear_dual_backward's `routing` argument: a contiguous 1-D int32 tensor of routed::routing_buffer_size(M)
+// elements on x's device. Its contents are checked against the mask on the CPU only (reading them on the GPU would sync the
 // host): on CUDA it is trusted to be linear_dual_forward's routing of this mask, as autograd passes it.
 void check_linear_dual_routing(const std::optional<at::Tensor>& routing, int64_t M, const at::Tensor& x);
 // The routing of `mask` computed with ATen on the CPU (the reference of the CUDA routing kernels' result).

@@ -51,6 +51,15 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
 
 Tensor linear_dual(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Tensor& weight_t,
                    const std::optional<Tensor>& bias_v, const std::optional<Tensor>& bias_t, bool allow_tf32) {
+  const auto grad = [](const std::optional<Tensor>& t) { return fused::present(t) && t->requires_grad(); };
+  if (!at::GradMode::is_enabled() ||
+      !(x.requires_grad() || weight_v.requires_grad() || weight_t.requires_grad() || grad(bias_v) || grad(bias_t))) {
+    // No graph to record: linear_dual itself, without the routing a backward would take.
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("fused::linear_dual", "").typed<fused::LinearDualOp>();
+    return op.call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32);
+  }
   return LinearDualFunction::apply(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32);
 }
 }  // namespace

@@ -47,8 +47,6 @@ LinearDualGeometry check_linear_dual_backward_inputs(const at::Tensor& grad_out,
   return g;
 }
 
-int64_t linear_dual_routing_size(int64_t M) { return routed::routing_buffer_size(M); }
-
 void check_linear_dual_routing(const std::optional<at::Tensor>& routing, int64_t M, const at::Tensor& x) {
   if (!present(routing)) return;
   const at::Tensor& r = *routing;
@@ -57,7 +55,7 @@ void check_linear_dual_routing(const std::optional<at::Tensor>& routing, int64_t
               ": routing must be a 1-D int32 tensor (the second output of linear_dual_forward), got ", r.scalar_type(),
               " of shape ", r.sym_sizes());
   TORCH_CHECK(r.device() == x.device(), kOp, ": routing must be on x's device ", x.device(), ", got ", r.device());
-  const int64_t want = linear_dual_routing_size(M);
+  const int64_t want = routed::routing_buffer_size(M);
   TORCH_SYM_CHECK(r.sym_size(0).sym_eq(want), kOp, ": routing must have ", want, " elements for a mask of ", M,
                   " tokens, got ", r.sym_size(0), " (not the routing of this mask)");
   TORCH_SYM_CHECK(r.sym_stride(0).sym_eq(1), kOp, ": routing must be contiguous, got stride ", r.sym_stride(0));

@@ -13,7 +13,6 @@ namespace {
 at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 int64_t round_up(int64_t n) { return (n + routed::kAlign - 1) / routed::kAlign * routed::kAlign; }
-int64_t perm_rows(int64_t M) { return round_up(M) + routed::kAlign; }  // M_pad of the aligned routing
 
 struct Expert {
   at::Tensor rows;  // int64 indices of the tokens routed to this expert
@@ -45,10 +44,10 @@ at::Tensor linear_dual_routing_cpu(const at::Tensor& mask) {
   const at::Tensor m = mask.reshape({-1});
   const int64_t M = m.numel(), count1 = m.sum().item<int64_t>(), count0 = M - count1;
   const int64_t start1 = round_up(count0), end = start1 + round_up(count1);
-  at::Tensor buf = at::full({linear_dual_routing_size(M)}, -1, m.options().dtype(at::kInt));
+  at::Tensor buf = at::full({routed::routing_buffer_size(M)}, -1, m.options().dtype(at::kInt));
   buf.narrow(0, 0, routed::kSegSlots).copy_(at::tensor({int64_t{0}, start1, end, count0, count1, int64_t{0},
                                                         int64_t{0}, int64_t{0}}, at::kInt));
-  at::Tensor perm = buf.narrow(0, routed::kSegSlots, perm_rows(M));
+  at::Tensor perm = buf.narrow(0, routed::kSegSlots, routed::aligned_rows(M));
   perm.narrow(0, 0, count0).copy_(m.logical_not().nonzero().flatten());
   perm.narrow(0, start1, count1).copy_(m.nonzero().flatten());
   return buf;
@@ -70,7 +69,7 @@ LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::T
   if (present(routing)) {  // the CPU routes from the mask; a routing given must be the mask's (seg and perm)
     const at::Tensor want = linear_dual_routing_cpu(mask);
     const auto used = [&](const at::Tensor& t) {
-      return at::cat({t.narrow(0, 0, 5), t.narrow(0, routed::kSegSlots, perm_rows(g.M))});
+      return at::cat({t.narrow(0, 0, 5), t.narrow(0, routed::kSegSlots, routed::aligned_rows(g.M))});
     };
     TORCH_CHECK(used(*routing).equal(used(want)),
                 "linear_dual: routing is not the routing of this mask (pass the routing that linear_dual_forward "

@@ -18,7 +18,7 @@ std::tuple<Tensor, Tensor> fwd_routing(const Tensor& x, const Tensor& mask, cons
                                       const std::optional<Tensor>& bias_t, bool /*allow_tf32*/) {
   const auto g = fused::check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t);
   return {at::empty(fused::with_last(x, g.N), x.options()),
-          at::empty({fused::linear_dual_routing_size(g.M)}, x.options().dtype(at::kInt))};
+          at::empty({fused::routed::routing_buffer_size(g.M)}, x.options().dtype(at::kInt))};
 }
 
 fused::LinearDualGrads bwd(const Tensor& grad_out, const Tensor& x, const Tensor& mask, const Tensor& weight_v,

@@ -135,7 +135,7 @@ Routing routing_of(const at::Tensor& buffer, int64_t M) {
                         buffer.numel() == routing_buffer_size(M));
   Routing r;
   r.M = M;
-  r.M_pad = (cdiv(M, kAlign) + 1) * kAlign;  // as route() makes it
+  r.M_pad = aligned_rows(M);
   r.buffer = buffer;
   r.seg = buffer.narrow(0, 0, 5);
   r.perm = buffer.narrow(0, kSegSlots, r.M_pad);
@@ -148,7 +148,7 @@ Routing route(const at::Tensor& mask, bool aligned) {
   TORCH_INTERNAL_ASSERT(m.scalar_type() == at::kBool && m.is_cuda());
   r.M = m.numel();
   r.aligned = aligned;
-  r.M_pad = aligned ? (cdiv(r.M, kAlign) + 1) * kAlign : r.M + kRowTail;  // kernels/routing.py: padded_rows
+  r.M_pad = aligned ? aligned_rows(r.M) : r.M + kRowTail;  // kernels/routing.py: padded_rows
   const auto iopt = m.options().dtype(at::kInt);
   // Aligned: linear_dual_forward may return it (its length pins M). Unaligned (the ffn forward, whose memory target
   // counts every byte beside h): just seg's slots and perm.
