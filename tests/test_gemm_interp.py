@@ -10,6 +10,8 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -305,6 +307,61 @@ def test_tma_row_tiles(kind):
     gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
     assert rel_err(h[valid], ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[valid].long()]) < TOL[dtype]
     assert torch.isfinite(h[valid]).all() and torch.isnan(h[~valid]).all()
+
+
+@triton.jit
+def _tile_order_kernel(out_ptr, t0, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    tile = tl.program_id(0)
+    pid_m, pid_n = gemm._expert_tile_mn(tile, t0, num_pid_m, num_pid_n, GROUP_M)
+    tl.store(out_ptr + 2 * tile, pid_m)
+    tl.store(out_ptr + 2 * tile + 1, pid_n)
+
+
+@pytest.mark.parametrize("num_pid_m, t0", [(1, 0), (1, 1), (7, 3), (17, 8), (17, 9), (33, 16), (33, 4), (33, 0),
+                                           (33, 33), (40, 19)])
+@pytest.mark.parametrize("num_pid_n", [1, 3])
+def test_expert_tile_order(num_pid_m, t0, num_pid_n):
+    """The persistent kernels' tile order (_expert_tile_mn, GROUP_M = 4): every (row tile, column tile) once,
+    expert 0's row tiles [0, t0) first, and within an expert groups of GROUP_M row tiles whose last one takes the
+    remainder (4 to 7 row tiles), so no group holds a few row tiles only, nor both experts' rows."""
+    G = 4
+    n = num_pid_m * num_pid_n
+    out = torch.full((max(n, 1), 2), -1, dtype=torch.int32)
+    _tile_order_kernel[(n,)](out, t0, num_pid_m, num_pid_n, GROUP_M=G)
+    order = [tuple(r) for r in out[:n].tolist()]
+    assert sorted(order) == [(m, c) for m in range(num_pid_m) for c in range(num_pid_n)]
+    assert all((m < t0) == (i < t0 * num_pid_n) for i, (m, _) in enumerate(order))
+    for lo, hi in ((0, t0), (t0, num_pid_m)):  # each expert's row tiles
+        rows = hi - lo
+        if rows == 0:
+            continue
+        groups = max(rows // G, 1)
+        sizes = [G] * (groups - 1) + [rows - G * (groups - 1)]
+        start = lo * num_pid_n
+        for k, gsz in enumerate(sizes):  # a group: gsz row tiles x every column tile, column by column
+            first = lo + G * k
+            want = [(first + j % gsz, j // gsz) for j in range(gsz * num_pid_n)]
+            assert order[start:start + len(want)] == want
+            start += len(want)
+
+
+@pytest.mark.parametrize("kind", ["random", "mostly_true"])
+def test_grouped_tile_order_many_row_tiles(kind):
+    """A routed GEMM over enough row tiles (M = 300, BM = 16: 20 of them, GROUP_M = 4) that the experts' last groups
+    take the leftover row tiles: scattered output and expert-ordered output both complete and right."""
+    M, N, K = 300, 24, 32
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(29)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, K, dtype=dtype)
+    w = rnd(gen, 2, N, K, dtype=dtype)
+    perm, seg = route(mask, align=1)
+    xg = torch.empty(M, K, dtype=dtype)
+    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    gemm.launch_routed_linear_tma(xg, w, None, None, out, perm, seg, input_precision="ieee", num_programs=5,
+                                  BM=16, BN=16, BK=16, GROUP_M=4)
+    assert rel_err(out, ref_linear(x, w[0], w[1], None, None, mask)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("kind", MASKS)
