@@ -110,10 +110,10 @@ def _routed_row_tiles(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK_M: tl.constex
 def _expert_tile_mn(tile, t0, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of tile number `tile` when row tiles [0, t0) are expert 0's and [t0, num_pid_m) expert 1's:
     _tile_mn's grouped order within each expert, all of expert 0's tiles first, and an expert's last group takes
-    the rows left over (GROUP_M to 2 GROUP_M - 1 row tiles) instead of forming a group of its own. A group then never
-    mixes the experts' weights, and no group has a few row tiles only: such a group reads its weight columns for
-    that few rows (86 tiles of 2 MB in the gate/up GEMM of 4096 x 11008 x 4096 for one row tile, more than HBM
-    delivers while they compute)."""
+    the row tiles left over (GROUP_M to 2 GROUP_M - 1 of them; an expert with fewer than GROUP_M row tiles is one
+    group) instead of forming a group of its own. A group then never mixes the experts' weights, and no group has a
+    few row tiles only: such a group reads its weight columns for that few rows (86 tiles of 2 MB in the gate/up
+    GEMM of 4096 x 11008 x 4096 for one row tile, more than HBM delivers while they compute; docs/perf.md v17)."""
     n0_tiles = t0 * num_pid_n
     in1 = tile >= n0_tiles
     base = tl.where(in1, t0, 0)
