@@ -347,8 +347,8 @@ def test_expert_tile_order(num_pid_m, t0, num_pid_n):
 
 @pytest.mark.parametrize("kind", ["random", "mostly_true"])
 def test_grouped_tile_order_many_row_tiles(kind):
-    """A routed GEMM over enough row tiles (M = 300, BM = 16: 20 of them, GROUP_M = 4) that the experts' last groups
-    take the leftover row tiles: scattered output and expert-ordered output both complete and right."""
+    """A routed GEMM over enough row tiles (M = 300, BM = 16: about 20 of them, GROUP_M = 4) that an expert's last
+    group takes leftover row tiles: the scattered output complete (NaN-poisoned first) and right."""
     M, N, K = 300, 24, 32
     dtype = torch.float32
     gen = torch.Generator().manual_seed(29)
@@ -356,6 +356,8 @@ def test_grouped_tile_order_many_row_tiles(kind):
     x = rnd(gen, M, K, dtype=dtype)
     w = rnd(gen, 2, N, K, dtype=dtype)
     perm, seg = route(mask, align=1)
+    row_tiles = [-(-int(c) // 16) for c in seg[3:]]
+    assert any(r > 4 and r % 4 for r in row_tiles), row_tiles  # some expert's last group takes leftovers
     xg = torch.empty(M, K, dtype=dtype)
     gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
     out = torch.full((M, N), float("nan"), dtype=dtype)
