@@ -12,8 +12,6 @@ namespace {
 
 at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-int64_t round_up(int64_t n) { return (n + routed::kAlign - 1) / routed::kAlign * routed::kAlign; }
-
 struct Expert {
   at::Tensor rows;  // int64 indices of the tokens routed to this expert
   const at::Tensor& weight;
@@ -43,7 +41,7 @@ at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at
 at::Tensor linear_dual_routing_cpu(const at::Tensor& mask) {
   const at::Tensor m = mask.reshape({-1});
   const int64_t M = m.numel(), count1 = m.sum().item<int64_t>(), count0 = M - count1;
-  const int64_t start1 = round_up(count0), end = start1 + round_up(count1);
+  const int64_t start1 = routed::align_up(count0), end = start1 + routed::align_up(count1);
   at::Tensor buf = at::full({routed::routing_buffer_size(M)}, -1, m.options().dtype(at::kInt));
   buf.narrow(0, 0, routed::kSegSlots).copy_(at::tensor({int64_t{0}, start1, end, count0, count1, int64_t{0},
                                                         int64_t{0}, int64_t{0}}, at::kInt));

@@ -180,7 +180,7 @@ Routing route_single(int64_t M, const at::Tensor& like, bool aligned) {
   r.M = M;
   r.aligned = aligned;
   // start_1 = end = roundup(count_0, ALIGN); count_1 = 0 (kernels/routing.py: single_padded_rows)
-  r.M_pad = aligned ? std::max(cdiv(M, kAlign) * kAlign, kAlign) : M + kRowTail;
+  r.M_pad = aligned ? std::max(align_up(M), kAlign) : M + kRowTail;
   const auto iopt = like.options().dtype(at::kInt);
   r.perm = at::empty({r.M_pad}, iopt);
   r.seg = at::empty({5}, iopt);

@@ -72,8 +72,10 @@ struct Routing {
 Routing route(const at::Tensor& mask, bool aligned = true);
 // Writes a deferred routing's perm / seg now (one launch); nothing when they are written already.
 void ensure_routed(const Routing& r);
-// M_pad of an aligned routing of M rows (kernels/routing.py padded_rows): every expert's segment padded to kAlign.
-inline int64_t aligned_rows(int64_t M) { return ((M + kAlign - 1) / kAlign + 1) * kAlign; }
+// n rounded up to a multiple of kAlign: an expert's padded segment on an aligned routing.
+inline int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+// M_pad of an aligned routing of M rows (kernels/routing.py padded_rows): both experts' segments padded to kAlign.
+inline int64_t aligned_rows(int64_t M) { return align_up(M) + kAlign; }
 // The slots of Routing::buffer ahead of perm (seg and 3 unused), and its length for an aligned routing of M rows:
 // M + 2 * kAlign entries hold perm (M_pad <= M + 2 * kAlign - 1), and the length pins M exactly (a routing passed
 // back to an op is checked by its size; its contents would need a host sync).
