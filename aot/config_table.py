@@ -136,6 +136,9 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
         fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
     if row_idx is not None and ROUTING_ALIGN % blk[row_idx] != 0:
         fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
+    if name == "routed_swiglu_pair_tma_kernel" and blk[1] < 16:
+        fail(f"{at}: block[1] = {blk[1]} must be at least 16: a split last round loads BLOCK_N / 2 columns per weight "
+             "(kernels/gemm.py _split_tail), and TMA and the MMA need 8 or more")
     if e.get("warps") not in (1, 2, 4, 8, 16):
         fail(f"{at}: 'warps' must be 1, 2, 4, 8 or 16, got {e.get('warps')!r}")
     if not (isinstance(e.get("stages"), int) and 1 <= e["stages"] <= 8):

@@ -310,11 +310,12 @@ def _gemm_variants() -> List[Variant]:
             meta = _persistent_meta(cfg, prec, SCATTER_OUT=False)
             out += _both("kernels.gemm:routed_swiglu_tma_kernel", dict(base, scatter=0), args, meta, cfg, archs)
 
-        # routed_swiglu_pair_tma_kernel (sm_90): gate and up through one rank-4 descriptor [2, E, I, H], one MMA.
+        # routed_swiglu_pair_tma_kernel (sm_90): gate and up through one rank-4 descriptor [2, E, I, H], one MMA;
+        # the same tensor with half the columns per block for the split last round (kernels/gemm.py _split_tail).
         for cfg, archs in configs("routed_swiglu_pair_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w13_desc", f"tensordesc<{dt}[2, 1, {bn}, {bk}]>"),
-                    ("h_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"),
+                    ("w13h_desc", f"tensordesc<{dt}[2, 1, {bn // 2}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"),
                     ("K", "i32"), ("stride_hm", "i32"), ("up_first", "i32")]
             out += _both("kernels.gemm:routed_swiglu_pair_tma_kernel", dict(base), args, _persistent_meta(cfg, prec),
                          cfg, archs)

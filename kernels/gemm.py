@@ -141,6 +141,29 @@ def _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M: tl.const
 
 
 @triton.jit
+def _split_tail(num_tiles, nprog):
+    """(main, tail) of a persistent walk whose last partial round is split in column halves: tiles [0, main) are
+    walked whole (main is then a multiple of nprog), and program p < 2 * tail takes column half p % 2 of tile
+    main + p // 2 (_half_tile_at). Only when that round holds tiles for at most half the programs (tail = 0
+    otherwise, or when there is no partial round): each of its programs then computes half a tile instead of some
+    computing a whole one while the others idle. 33 x 86 gate/up tiles on 132 SMs are 21 rounds and 66 tiles
+    (docs/perf.md v18)."""
+    tail = num_tiles % nprog
+    tail = tl.where(2 * tail <= nprog, tail, 0)
+    return num_tiles - tail, tail
+
+
+@triton.jit
+def _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """_tile_at of program pid's half tile in _split_tail's tail: columns n0 + [0, BLOCK_N // 2)."""
+    row0, row_hi, e, n0, _ = _tile_at(main + pid // 2, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
+                                      GROUP_M)
+    n0 = n0 + (pid % 2) * (BLOCK_N // 2)
+    return row0, row_hi, e, n0, n0 + tl.arange(0, BLOCK_N // 2)
+
+
+@triton.jit
 def _tile_rows(perm_ptr, row0, row_hi, BLOCK_M: tl.constexpr):
     """perm entries of the tile's rows below row_hi -> (original row as int64 clamped to >= 0, valid mask)."""
     offs_r = row0 + tl.arange(0, BLOCK_M)
@@ -486,24 +509,32 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
 
 
 @triton.jit
-def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, h_ptr, perm_ptr, seg_ptr, one_rows, N, K, stride_hm, up_first,
-                                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, w13h_desc, h_ptr, perm_ptr, seg_ptr, one_rows, N, K, stride_hm,
+                                  up_first, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                   FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """routed_swiglu_tma_kernel with the gate and up tiles fetched by one TMA load and multiplied by one MMA of
     2 x BLOCK_N columns: w13_desc is a rank-4 descriptor [2, E, N, K] over both projections (dimension 0: the two
     weight tensors, at whatever distance they lie in memory; block [2, 1, BN, BK]). up_first = 1 when dimension 0
     holds up before gate (w3 lies below w1 in memory). The accumulator [BM, 2 BN] splits into gate and up in the
-    epilogue. one_rows as in routed_swiglu_tma_kernel."""
+    epilogue. one_rows as in routed_swiglu_tma_kernel. A last round that fills at most half the programs is split
+    in column halves (_split_tail), loaded through w13h_desc: the same tensor, block [2, 1, BN / 2, BK]."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m, hi0, hi1 = _walk_tiles(seg_ptr, one_rows, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
+    main, tail = _split_tail(num_pid_m * num_pid_n, nprog)
+    for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
         g, u = _pair_gate_up(a_desc, w13_desc, e, row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
+    if pid < 2 * tail:
+        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
+                                                    BLOCK_N, GROUP_M)
+        g, u = _pair_gate_up(a_desc, w13h_desc, e, row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2,
+                             BLOCK_K)
         _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
 
 
@@ -863,11 +894,13 @@ def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, i
     K, N = a_pad.shape[1], w13.shape[2]
     a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
     w_desc = TensorDescriptor.from_tensor(w13, [2, 1, BN, BK])
+    wh_desc = TensorDescriptor.from_tensor(w13, [2, 1, BN // 2, BK])
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_swiglu_pair_tma_kernel[grid](a_desc, w_desc, h, perm, seg, one_rows, N, K, h.stride(0), int(up_first),
-                                        INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                        GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
+    routed_swiglu_pair_tma_kernel[grid](a_desc, w_desc, wh_desc, h, perm, seg, one_rows, N, K, h.stride(0),
+                                        int(up_first), INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
+                                        BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
+                                        num_stages=num_stages)
     return h
 
 

@@ -411,6 +411,35 @@ def test_realistic_bf16(gpu_device, mask_kind):
 
 
 @pytest.mark.gpu
+def test_gate_up_split_last_round(gpu_device):
+    """The paired gate/up GEMM (sm_90) computes a last round that fills at most half the SMs in column halves, after
+    its whole rounds (kernels/gemm.py _split_tail). Expert counts chosen for this GPU's SM count so that the tile
+    count T is above the SM count and leaves 0 < 2 (T mod SMs) <= SMs, both experts with a partial last row tile, the tokens
+    shuffled; I = 2816 is 22 column tiles. bf16 forward and every gradient against float64, NaN-poisoned allocator."""
+    major, minor = torch.cuda.get_device_capability(gpu_device)
+    cfg = fused_ops.kernel_config("routed_swiglu_pair_tma_kernel", "half", 1024, major * 10 + minor)
+    if cfg == "off" or major != 9:
+        pytest.skip("the paired gate/up GEMM runs on sm_90 only")
+    bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])
+    H, I = 256, 2816  # noqa: E741
+    sms = torch.cuda.get_device_properties(gpu_device).multi_processor_count
+    col_tiles = -(-I // bn)
+    row_tiles = next(r for r in range(2, 64) if r * col_tiles > sms and 0 < 2 * ((r * col_tiles) % sms) <= sms)
+    c0 = (row_tiles // 2) * bm - 10  # each expert's last row tile partial
+    c1 = (row_tiles - row_tiles // 2) * bm - 21
+    M = c0 + c1
+    assert fused_ops.kernel_config("routed_swiglu_pair_tma_kernel", "half", M, major * 10 + minor) == cfg
+    mask = torch.zeros(M, dtype=torch.bool)
+    mask[c0:] = True
+    mask = mask[torch.randperm(M, generator=torch.Generator().manual_seed(5))].to(gpu_device)
+    x = strided_view((M,), H, torch.bfloat16, gpu_device)
+    w = make_weights(H, I, torch.bfloat16, gpu_device)
+    poison_allocator(gpu_device, 8 * M * max(H, I) * 2)
+    out, ref = run_and_check_grads(x, w, mask, TOL[torch.bfloat16])
+    check_out(out, ref, (M, H), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 16, 17, 64, 65, 128, 4096, 4097])
 @pytest.mark.parametrize("experts", ["dual", "single"])
 def test_routing_sizes(gpu_device, M, experts):

@@ -421,6 +421,32 @@ def test_swiglu_pair_tma(dtype, up_first):
     assert rel_err(h[valid], ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[valid].long()]) < 3 * TOL[dtype]
 
 
+@pytest.mark.parametrize("programs, split", [(6, True), (4, True), (3, False), (5, False)])
+def test_swiglu_pair_split_last_round(programs, split):
+    """The paired gate/up GEMM splits a last round of r tiles in 2r column halves when 2r <= programs
+    (gemm._split_tail). Rows of both experts on an unaligned routing, I = 40 with BN = 16: the last column tile's
+    second half lies wholly past I (its loads are zero-filled, its stores masked). Every row of h written, against
+    float64."""
+    M, H, I = 45, 40, 40  # noqa: E741
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(41)
+    mask = make_mask("random", M, gen)
+    x = rnd(gen, M, H, dtype=dtype)
+    w1, w3 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype)
+    perm, seg = route(mask, align=1)
+    counts = int(seg[3]), int(seg[4])
+    tiles = sum(triton.cdiv(c, T["BM"]) for c in counts) * triton.cdiv(I, T["BN"])
+    tail = tiles % programs
+    assert (0 < 2 * tail <= programs) == split, (counts, tiles, programs)  # the case this parameter is meant to hit
+    xg = torch.empty(M, H, dtype=dtype)
+    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    h = torch.full((M, I), float("nan"), dtype=dtype)
+    gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
+                                       num_programs=programs, **T)
+    assert torch.isfinite(h).all(), "a row of h was not written"
+    assert rel_err(h, ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[:M].long()]) < TOL[dtype]
+
+
 @pytest.mark.parametrize("kind", MASKS)
 @pytest.mark.parametrize("up_first", [False, True])
 def test_swiglu_pair_bwd_tma(kind, up_first):

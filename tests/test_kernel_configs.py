@@ -69,6 +69,8 @@ def _bad(mutate):
      "only an alternative-design kernel"),
     (lambda t: t["kernels"]["routed_swiglu_pair_tma_kernel"]["half"][0].update(block=[128, 128, 64]),
      "an \"off\" bucket has only max_m"),
+    (lambda t: t["kernels"]["routed_swiglu_pair_tma_kernel"]["half"][1].update(block=[128, 8, 64]),
+     "block[1] = 8 must be at least 16"),
     (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(flatten=True), "'flatten' is a bool, and only"),
     (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(flatten=1), "'flatten' is a bool, and only"),
 ])

@@ -450,6 +450,8 @@ struct Pair {
   Experts::Stacked lo;  // the weight tensor at the lower address
   int64_t dist;         // elements from it to the other one
   bool up_first;
+  // The box comes from the kernel's metadata: calling this twice gives the forward kernel both of its descriptors
+  // over the same tensor (BLOCK_N columns, and BLOCK_N / 2 for a split last round).
   void add_descriptor(KernelArgs& args, int64_t I, int64_t H) const {
     args.tensor(lo.base, {2, lo.experts, I, H}, {dist, lo.stride_e, lo.ld, 1});
   }
@@ -518,6 +520,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     if (const std::optional<Pair> pair = pair_of("routed_swiglu_pair_tma_kernel", g, w1, w3, r.M, false)) {
       args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1});
       pair->add_descriptor(args, I, H);
+      pair->add_descriptor(args, I, H);  // w13h_desc: the split last round's half-width tiles
       args.ptr(h.data_ptr()).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
           .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(pair->up_first ? 1 : 0);
       const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(I, pair->cfg->block[1]);
