@@ -315,8 +315,9 @@ def _gemm_variants() -> List[Variant]:
         for cfg, archs in configs("routed_swiglu_pair_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w13_desc", f"tensordesc<{dt}[2, 1, {bn}, {bk}]>"),
-                    ("w13h_desc", f"tensordesc<{dt}[2, 1, {bn // 2}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"),
-                    ("K", "i32"), ("stride_hm", "i32"), ("up_first", "i32")]
+                    ("w13h_desc", f"tensordesc<{dt}[2, 1, {bn // 2}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
+                    ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32"),
+                    ("up_first", "i32")]
             out += _both("kernels.gemm:routed_swiglu_pair_tma_kernel", dict(base), args, _persistent_meta(cfg, prec),
                          cfg, archs)
 

@@ -414,8 +414,9 @@ def test_realistic_bf16(gpu_device, mask_kind):
 def test_gate_up_split_last_round(gpu_device):
     """The paired gate/up GEMM (sm_90) computes a last round that fills at most half the SMs in column halves, after
     its whole rounds (kernels/gemm.py _split_tail). Expert counts chosen for this GPU's SM count so that the tile
-    count T is above the SM count and leaves 0 < 2 (T mod SMs) <= SMs, both experts with a partial last row tile, the tokens
-    shuffled; I = 2816 is 22 column tiles. bf16 forward and every gradient against float64, NaN-poisoned allocator."""
+    count T is above the SM count and leaves 0 < 2 (T mod SMs) <= SMs, both experts with a partial last row tile,
+    the tokens shuffled; I = 2816 is 22 column tiles. bf16 forward and every gradient against float64, NaN-poisoned
+    allocator."""
     major, minor = torch.cuda.get_device_capability(gpu_device)
     cfg = fused_ops.kernel_config("routed_swiglu_pair_tma_kernel", "half", 1024, major * 10 + minor)
     if cfg == "off" or major != 9:
