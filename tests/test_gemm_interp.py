@@ -55,6 +55,13 @@ def rel_err(out, ref):
     return (out - ref).norm().item() / (den if den > 0 else 1.0)
 
 
+def gathered(x, perm, rows):
+    """x's rows in expert order, [rows, C]: gemm.launch_gather_rows through perm (small test blocks) into a
+    NaN-poisoned buffer, which the gather writes row by row (zeros where perm < 0)."""
+    xg = torch.full((rows, x.shape[1]), float("nan"), dtype=x.dtype)
+    return gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+
+
 def ref_linear(x, w0, w1, b0, b1, mask):
     x, w0, w1 = x.double(), w0.double(), w1.double()
     y0 = x @ w0.T
@@ -227,8 +234,7 @@ def test_linear_tma(dtype, kind):
     w = rnd(gen, 2, N, K, dtype=dtype)  # stacked [w0; w1]
     b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
     perm, seg = route(mask, align=ALIGN)
-    xg = torch.full((perm.shape[0], K), float("nan"), dtype=dtype)
-    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    xg = gathered(x, perm, perm.shape[0])
     assert torch.isfinite(xg).all()
     out = torch.full((M, N), float("nan"), dtype=dtype)
     # 3 persistent programs over 8 tiles
@@ -266,8 +272,7 @@ def test_ffn_tma(dtype, kind):
     w2 = rnd(gen, 2, H, I, dtype=dtype)
     perm, seg = route(mask, align=ALIGN)
     M_pad = perm.shape[0]
-    xg = torch.empty(M_pad, H, dtype=dtype)
-    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    xg = gathered(x, perm, M_pad)
     h = torch.zeros(M_pad, I, dtype=dtype)  # rows >= seg[2] are never written (left zero here)
     gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision=prec(dtype), num_programs=4, **T)
     out = torch.full((M, H), float("nan"), dtype=dtype)
@@ -290,8 +295,7 @@ def test_tma_row_tiles(kind):
     x = rnd(gen, M, K, dtype=dtype)
     w = rnd(gen, 2, N, K, dtype=dtype)
     perm, seg = route(mask, align=64)
-    xg = torch.empty(perm.shape[0], K, dtype=dtype)
-    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    xg = gathered(x, perm, perm.shape[0])
     out = torch.full((M, N), float("nan"), dtype=dtype)
     gemm.launch_routed_linear_tma(xg, w, None, None, out, perm, seg, input_precision="ieee", num_programs=3, **T)
     assert rel_err(out, ref_linear(x, w[0], w[1], None, None, mask)) < TOL[dtype]
@@ -358,8 +362,7 @@ def test_grouped_tile_order_many_row_tiles(kind):
     perm, seg = route(mask, align=1)
     row_tiles = [-(-int(c) // 16) for c in seg[3:]]
     assert any(r > 4 and r % 4 for r in row_tiles), row_tiles  # some expert's last group takes leftovers
-    xg = torch.empty(M, K, dtype=dtype)
-    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    xg = gathered(x, perm, M)
     out = torch.full((M, N), float("nan"), dtype=dtype)
     gemm.launch_routed_linear_tma(xg, w, None, None, out, perm, seg, input_precision="ieee", num_programs=5,
                                   BM=16, BN=16, BK=16, GROUP_M=4)
@@ -384,8 +387,7 @@ def test_unaligned_ffn_forward(kind, gate_up):
     if gate_up == "gather":  # x in token order, its rows gathered inside the GEMM
         gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
     else:
-        xg = torch.full((M, H), float("nan"), dtype=dtype)
-        gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+        xg = gathered(x, perm, M)
         assert torch.isfinite(xg).all()
         if gate_up == "pair":
             gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
@@ -411,8 +413,7 @@ def test_swiglu_pair_tma(dtype, up_first):
     x = rnd(gen, M, H, dtype=dtype)
     w1, w3 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype)
     perm, seg = route(mask, align=ALIGN)
-    xg = torch.empty(perm.shape[0], H, dtype=dtype)
-    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    xg = gathered(x, perm, perm.shape[0])
     w13 = torch.stack([w3, w1] if up_first else [w1, w3])
     h = torch.full((perm.shape[0], I), float("nan"), dtype=dtype)
     gemm.launch_routed_swiglu_pair_tma(xg, w13, h, perm, seg, up_first=up_first, input_precision=prec(dtype),
@@ -438,8 +439,7 @@ def test_swiglu_pair_split_last_round(programs, split):
     tiles = sum(triton.cdiv(c, T["BM"]) for c in counts) * triton.cdiv(I, T["BN"])
     tail = tiles % programs
     assert (0 < 2 * tail <= programs) == split, (counts, tiles, programs)  # the case this parameter is meant to hit
-    xg = torch.empty(M, H, dtype=dtype)
-    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    xg = gathered(x, perm, M)
     h = torch.full((M, I), float("nan"), dtype=dtype)
     gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
                                        num_programs=programs, **T)
@@ -462,8 +462,7 @@ def test_swiglu_pair_bwd_tma(kind, up_first):
     perm, seg = route(mask, align=ALIGN)
     M_pad, end = perm.shape[0], int(seg[2])
     valid = perm >= 0
-    xg = torch.full((M_pad, H), float("nan"), dtype=dtype)
-    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    xg = gathered(x, perm, M_pad)
     dh_tok = rnd(gen, M, I, dtype=dtype)
     dh = torch.zeros(M_pad, I, dtype=dtype)  # as the dh GEMM leaves it: zero padding rows below end
     dh[valid] = dh_tok[perm[valid].long()]
@@ -511,8 +510,7 @@ def test_tma_m0():
     gen = torch.Generator().manual_seed(9)
     perm, seg = route(torch.zeros(0, dtype=torch.bool), align=ALIGN)
     x = torch.empty(0, K)
-    xg = torch.empty(perm.shape[0], K)
-    gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    xg = gathered(x, perm, perm.shape[0])
     assert (xg == 0).all()
     out = torch.empty(0, N)
     gemm.launch_routed_linear_tma(xg, rnd(gen, 2, N, K), None, None, out, perm, seg, **T)
