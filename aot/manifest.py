@@ -187,6 +187,7 @@ def _gemm_variants() -> List[Variant]:
     # The gather's rows per program, from kernels/gemm.py as its Python launchers use it; in the keys ("rows=32"), so
     # that a C++ launcher whose grid assumes another value fails with "no compiled variant" instead of gathering the
     # wrong rows.
+    from kernels import routing
     from kernels.gemm import GATHER_COLS, GATHER_ROWS
     out = []
     for dt in DTYPES:  # gather_rows: a copy (colsum=1: with per-block column sums), no precision, not configurable
@@ -199,6 +200,19 @@ def _gemm_variants() -> List[Variant]:
                 out.append(Variant("kernels.gemm:gather_rows_kernel", key, args,
                                    {"COLSUM": bool(colsum), "BLOCK_R": GATHER_ROWS, "BLOCK_C": cols}, spec, warps, 1,
                                    ARCHS))
+        # route_gather_rows: the unaligned routing of a mask of up to ONE_BLOCK rows and the gather through it, one
+        # launch (the ffn forward's x, sm_90: only the TMA kernels take an unaligned routing). block: the
+        # one-block routing size of M, as routing_one_block_kernel's (the C++ launcher asks for one_block_size(M)).
+        args = [("mask_ptr", "*i8"), ("src_ptr", f"*{dt}"), ("dst_ptr", f"*{dt}"), ("perm_ptr", "*i32"),
+                ("seg_ptr", "*i32"), ("M", "i32"), ("M_pad", "i32"), ("C", "i32"), ("stride_src", "i32"),
+                ("stride_dst", "i32")]
+        cols, warps = GATHER_COLS[False]
+        for block in (routing.ONE_BLOCK_SMALL, routing.ONE_BLOCK_MID, routing.ONE_BLOCK):
+            key = {"dtype": dt, "block": block, "rows": GATHER_ROWS, "cols": cols}
+            for spec in (_aligned(args), {}):
+                out.append(Variant("kernels.gemm:route_gather_rows_kernel", key, args,
+                                   {"MASK_BLOCK": block, "BLOCK_R": GATHER_ROWS, "BLOCK_C": cols}, spec, warps, 1,
+                                   (90,)))
         # expert_colsum: the second pass of the bias gradients (the per-expert sums of gather_rows' colsum).
         args = [("colsum_ptr", "*fp32"), ("seg_ptr", "*i32"), ("sum0_ptr", f"*{dt}"), ("sum1_ptr", f"*{dt}"),
                 ("num_blocks", "i32"), ("C", "i32")]

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import grid_dependency_sync
-from kernels.routing import route_one_block
+from kernels.routing import pad_and_seg, route_one_block
 from kernels.swiglu_backward import swiglu_grads
 
 # Rows per program of gather_rows_kernel (the AOT manifest compiles this value and puts it in the keys as "rows";
@@ -355,6 +355,40 @@ def gather_rows_kernel(src_ptr, dst_ptr, perm_ptr, colsum_ptr, M_pad, C, stride_
              mask=r_ok[:, None] & c_ok)
     if COLSUM:
         tl.store(colsum_ptr + pid_r.to(tl.int64) * C + offs_c, tl.sum(v.to(tl.float32), axis=0), mask=offs_c < C)
+
+
+@triton.jit
+def route_gather_rows_kernel(mask_ptr, src_ptr, dst_ptr, perm_ptr, seg_ptr, M, M_pad, C, stride_src, stride_dst,
+                             MASK_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    """The unaligned routing (kernels/routing.py, ALIGN = 1) of mask [M], M <= MASK_BLOCK, and gather_rows_kernel
+    through it, in one launch: no routing kernel runs before the gather. Each program counts the whole mask itself
+    (expert 1's rows before its block and in total), so it knows where its rows go without another program's
+    writes: dst[pos(r), :] = src[r, :] for its rows r in token order, dst [M, C] (an unaligned routing has no
+    padding rows). The programs of column block 0 also write perm[pos(r)] = r, program (0, 0) seg and perm's -1 tail:
+    the routing that routing_one_block_kernel(ALIGN = 1) writes, for the kernels after this one."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    first = pid_r * BLOCK_R
+    offs_r = first + tl.arange(0, BLOCK_R)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok = offs_r < M
+    ok = r_ok[:, None] & (offs_c[None, :] < C)
+    v = tl.load(src_ptr + offs_r.to(tl.int64)[:, None] * stride_src + offs_c[None, :], mask=ok)
+    offs_m = tl.arange(0, MASK_BLOCK)
+    is1_all = (tl.load(mask_ptr + offs_m, mask=offs_m < M, other=0) != 0) & (offs_m < M)
+    t1 = tl.sum(is1_all.to(tl.int32), axis=0)
+    base1 = tl.sum((is1_all & (offs_m < first)).to(tl.int32), axis=0)
+    m = tl.load(mask_ptr + offs_r, mask=r_ok, other=0)
+    is1 = (m != 0) & r_ok
+    c1 = tl.cumsum(is1.to(tl.int32), axis=0)  # inclusive, as in kernels/routing.py _scatter_rows
+    pos = tl.where(is1, (M - t1) + base1 + c1 - 1, first - base1 + tl.arange(0, BLOCK_R) - c1)
+    tl.store(dst_ptr + pos.to(tl.int64)[:, None] * stride_dst + offs_c[None, :], v, mask=ok)
+    if pid_c == 0:
+        tl.store(perm_ptr + pos, offs_r, mask=r_ok)
+        if pid_r == 0:
+            pad_and_seg(perm_ptr, seg_ptr, M - t1, t1, M_pad, 1)
 
 
 @triton.jit
@@ -804,6 +838,26 @@ def launch_gather_rows(src, dst, perm, *, BLOCK_R=GATHER_ROWS, BLOCK_C=None, col
     gather_rows_kernel[grid](src, dst, perm, perm if colsum is None else colsum, M_pad, C, src.stride(0),
                              dst.stride(0), COLSUM=colsum is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
                              num_warps=warps)
+    return dst
+
+
+def launch_route_gather_rows(mask, src, dst, perm, seg, *, BLOCK_R=GATHER_ROWS, BLOCK_C=None, num_warps=None):
+    """route_gather_rows_kernel: routes mask [M] (bool, M <= ONE_BLOCK; kernels/routing.py ALIGN = 1) into perm
+    [M + ROW_TAIL] / seg [5] and gathers src [M, C]'s rows into dst [M, C] through it, in one launch."""
+    import torch
+    from kernels.routing import one_block_size, padded_rows
+    M, C = src.shape
+    block = one_block_size(M)
+    assert block > 0 and perm.shape[0] == padded_rows(M, 1) and dst.shape[0] >= M
+    cols, warps = GATHER_COLS[False]
+    BLOCK_C = BLOCK_C or cols
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.int8)
+    if M == 0:  # keep a valid pointer for the (fully masked) mask loads
+        mask = torch.zeros(1, dtype=torch.int8, device=src.device)
+    grid = (max(1, triton.cdiv(M, BLOCK_R)), max(1, triton.cdiv(C, BLOCK_C)))
+    route_gather_rows_kernel[grid](mask, src, dst, perm, seg, M, perm.shape[0], C, src.stride(0), dst.stride(0),
+                                   MASK_BLOCK=block, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=num_warps or warps)
     return dst
 
 

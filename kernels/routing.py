@@ -102,7 +102,7 @@ def _scatter_rows(m, perm_ptr, offs, first, valid, base0, base1, start1):
 
 
 @triton.jit
-def _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN: tl.constexpr):
+def pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN: tl.constexpr):
     """With the expert totals t0, t1: the -1 padding entries of perm and seg (one program does this)."""
     start1 = ((t0 + ALIGN - 1) // ALIGN) * ALIGN
     end = start1 + ((t1 + ALIGN - 1) // ALIGN) * ALIGN
@@ -149,7 +149,7 @@ def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_p
     m = tl.load(mask_ptr + offs, mask=valid, other=0)
     _scatter_rows(m, perm_ptr, offs, pid * CHUNK, valid, tl.sum(base0, axis=0), tl.sum(base1, axis=0), start1)
     if pid == 0:
-        _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
+        pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
 
 
 @triton.jit
@@ -162,7 +162,7 @@ def route_one_block(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, 
     t1 = tl.sum(((m != 0) & valid).to(tl.int32), axis=0)
     t0 = M - t1
     _scatter_rows(m, perm_ptr, offs, 0, valid, t0 * 0, t1 * 0, ((t0 + ALIGN - 1) // ALIGN) * ALIGN)
-    _pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
+    pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
 
 
 @triton.jit

@@ -138,6 +138,25 @@ def test_routing_single(M, align):
     assert seg.tolist() == [0, end, end, M, 0]
 
 
+@pytest.mark.parametrize("M", [0, 1, 37, 300])
+@pytest.mark.parametrize("kind", MASKS)
+def test_route_gather_rows(M, kind):
+    """route_gather_rows_kernel: the unaligned routing (ALIGN = 1) of the mask and the gather through it in one
+    launch. perm and seg must equal the routing kernel's, entry for entry (the GEMMs after it read them), and dst
+    must hold x's rows in expert order. Row blocks of 16 (several programs, each counting the mask itself), two
+    column blocks, x a column slice of a wider tensor (row stride != C)."""
+    gen = torch.Generator().manual_seed(M + 5)
+    mask = make_mask(kind, M, gen) if M > 0 else torch.zeros(0, dtype=torch.bool)
+    x = rnd(gen, M, 50)[:, 3:43]
+    perm_ref, seg_ref = route(mask, align=1)
+    perm = torch.full((padded_rows(M, 1), ), 7, dtype=torch.int32)  # poisoned: every entry must be written
+    seg = torch.full((5, ), 7, dtype=torch.int32)
+    dst = torch.full((M, 40), float("nan"))
+    gemm.launch_route_gather_rows(mask, x, dst, perm, seg, BLOCK_R=16, BLOCK_C=32)
+    assert torch.equal(seg, seg_ref) and torch.equal(perm, perm_ref)
+    assert torch.equal(dst, x[perm_ref[:M].long()])
+
+
 # ------------------------------------------------------------------------------------ pointer linear
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", MASKS)
@@ -370,21 +389,33 @@ def test_grouped_tile_order_many_row_tiles(kind):
 
 
 @pytest.mark.parametrize("kind", MASKS)
-@pytest.mark.parametrize("gate_up", ["pair", "two_mma", "gather"])
+@pytest.mark.parametrize("gate_up", ["pair", "pair_routed_by_gather", "two_mma", "gather"])
 def test_unaligned_ffn_forward(kind, gate_up):
     """The ffn forward's TMA path on an unaligned routing (ALIGN = 1): x gathered into exactly M rows, h [M, I],
     then the down projection scattered back. Row tiles (BM = 16) straddle the two experts' rows: each tile writes
-    only its own expert's rows, so every row of h and of out is written once, by the right expert."""
+    only its own expert's rows, so every row of h and of out is written once, by the right expert.
+    pair_routed_by_gather: perm and seg written by the gather itself (route_gather_rows_kernel, M <= 4096 on the
+    GPU), not by a routing kernel."""
     M, H, I, N = 37, 40, 24, 32  # noqa: E741
     dtype = torch.float32
     gen = torch.Generator().manual_seed(17)
     mask = make_mask(kind, M, gen)
     x = rnd(gen, M, H, dtype=dtype)
     w1, w3, w2 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, N, I, dtype=dtype)
-    perm, seg = route(mask, align=1)
+    if gate_up == "pair_routed_by_gather":
+        perm = torch.full((padded_rows(M, 1), ), 7, dtype=torch.int32)
+        seg = torch.full((5, ), 7, dtype=torch.int32)
+        xg = torch.full((M, H), float("nan"), dtype=dtype)
+        gemm.launch_route_gather_rows(mask, x, xg, perm, seg, BLOCK_R=16, BLOCK_C=32)
+    else:
+        perm, seg = route(mask, align=1)
     assert int(seg[2]) == M and perm.shape[0] == padded_rows(M, 1)
     h = torch.full((M, I), float("nan"), dtype=dtype)
-    if gate_up == "gather":  # x in token order, its rows gathered inside the GEMM
+    if gate_up == "pair_routed_by_gather":
+        assert torch.isfinite(xg).all()
+        gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
+                                           num_programs=3, **T)
+    elif gate_up == "gather":  # x in token order, its rows gathered inside the GEMM
         gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
     else:
         xg = gathered(x, perm, M)

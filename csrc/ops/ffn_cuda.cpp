@@ -1,6 +1,7 @@
 // CUDA implementation of ffn on the routed GEMM core (csrc/ops/routed_gemm.h).
 //
-// Forward: route (mask: the routing kernels; single expert: none on the TMA path, else perm = arange) ->
+// Forward: route (mask: the routing kernels, or for M <= 4096 on the TMA path the x gather's own programs; single
+//   expert: none on the TMA path, else perm = arange) ->
 //   h = routed_swiglu(x) into an expert-ordered buffer -> out = routed_linear(h, w2) scattered back.
 //   TMA (sm_90, H and I multiples of 16 bytes, a TMA swiglu for the dtype/precision): an unaligned routing (no
 //   padding rows), so h is exactly [M, I], the only buffer of the size of the intermediate. Where x's rows are

@@ -324,7 +324,6 @@ at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src,
                          const at::Tensor& into) {
   check_rows(r, tokens(src), src.size(1), "gather source");
   TORCH_INTERNAL_ASSERT(!r.identity, "routed GEMM: an identity routing has no perm to gather through");
-  ensure_routed(r);
   const int64_t C = src.size(1), rows = r.rows();
   at::Tensor dst;
   if (into.defined()) {
@@ -335,6 +334,19 @@ at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src,
     dst = at::empty({rows, C}, src.options());
   }
   KernelArgs a;
+  if (r.pending.defined() && !r.aligned && !colsum.defined()) {
+    // A deferred unaligned routing (the ffn forward's x on sm_90): routed by the gather's own programs, one launch
+    // instead of the routing kernel and then the gather (kernels/gemm.py route_gather_rows_kernel).
+    a.ptr(mask_arg(r)).ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+        .i32(r.M).i32(r.M_pad).i32(C).i32(src.stride(0)).i32(dst.stride(0));
+    launch_on_current_stream("route_gather_rows_kernel",
+                             make_key({{"dtype", g.dt}, {"block", std::to_string(one_block_size(r.M))},
+                                       {"rows", std::to_string(kGatherRows)}, {"cols", std::to_string(kGatherCols)}}),
+                             a, grid(cdiv(r.M, kGatherRows), cdiv(C, kGatherCols)), dst);
+    r.pending = at::Tensor();
+    return dst;
+  }
+  ensure_routed(r);
   a.ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr())
       .ptr(colsum.defined() ? colsum.data_ptr() : r.perm.data_ptr())
       .i32(rows).i32(C).i32(src.stride(0)).i32(dst.stride(0));
@@ -512,9 +524,10 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
       return;
     }
   }
-  ensure_routed(r);
   if (tma) {
+    // The gather (if any) writes a deferred routing itself (launch_gather); the GEMM then reads seg.
     const at::Tensor ap = tma_rows(g, r, a, gather_into);
+    ensure_routed(r);
     // The unpaired kernel computes the same bits (two accumulators instead of the halves of one): where the pair
     // does not serve, no weight copy is worth it.
     if (const std::optional<Pair> pair = pair_of("routed_swiglu_pair_tma_kernel", g, w1, w3, r.M, false)) {
@@ -541,6 +554,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g, c), args,
                              grid(std::min<int64_t>(g.sms, tiles)), h);
   } else {
+    ensure_routed(r);
     TORCH_INTERNAL_ASSERT(!a.expert_ordered && !r.identity,
                           "routed GEMM: the pointer swiglu is compiled for token-order x and a routing with perm only");
     if (w1.ld() != w3.ld()) {  // the kernel takes one row stride for all four weights
