@@ -377,7 +377,7 @@ def route_gather_rows_kernel(mask_ptr, src_ptr, dst_ptr, perm_ptr, seg_ptr, M, M
     ok = r_ok[:, None] & (offs_c[None, :] < C)
     v = tl.load(src_ptr + offs_r.to(tl.int64)[:, None] * stride_src + offs_c[None, :], mask=ok)
     offs_m = tl.arange(0, MASK_BLOCK)
-    is1_all = (tl.load(mask_ptr + offs_m, mask=offs_m < M, other=0) != 0) & (offs_m < M)
+    is1_all = tl.load(mask_ptr + offs_m, mask=offs_m < M, other=0) != 0
     t1 = tl.sum(is1_all.to(tl.int32), axis=0)
     base1 = tl.sum((is1_all & (offs_m < first)).to(tl.int32), axis=0)
     m = tl.load(mask_ptr + offs_r, mask=r_ok, other=0)

@@ -446,9 +446,10 @@ def test_gate_up_split_last_round(gpu_device):
 def test_routing_sizes(gpu_device, M, experts):
     """Token counts on both sides of the routing and config sizes: up to 64 rows the dual gate/up gathers x inside and
     routes the mask in its own programs (sm_90 table), above that x is gathered first: up to 4096 rows by a gather
-    that routes the mask itself (route_gather_rows_kernel), above by the gather after the two routing kernels. The single expert's forward has no routing on sm_90, and
-    its backward reads x and dy in place when M is a multiple of 128 (128, 4096) and gathers them otherwise. bf16, a
-    fresh random mask, NaN-poisoned allocator, forward and every gradient."""
+    that routes the mask itself (route_gather_rows_kernel), above by the gather after the two routing kernels. The
+    single expert's forward has no routing on sm_90, and its backward reads x and dy in place when M is a multiple
+    of 128 (128, 4096) and gathers them otherwise. bf16, a fresh random mask, NaN-poisoned allocator, forward and
+    every gradient."""
     H, I = 128, 96  # noqa: E741
     dual = experts == "dual"
     x = strided_view((M,), H, torch.bfloat16, gpu_device)

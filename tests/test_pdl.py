@@ -50,8 +50,8 @@ def test_environment_sets_the_default(env, default):
 # The compiled code: one variant of each routed kernel (the first the manifest lists for sm_90).
 # ---------------------------------------------------------------------------------------------------------------
 _KERNELS = ["routing_one_block_kernel", "routing_count_kernel", "routing_scatter_kernel", "routing_single_kernel",
-            "gather_rows_kernel", "route_gather_rows_kernel", "expert_colsum_kernel", "swiglu_backward_kernel", "routed_linear_kernel",
-            "routed_swiglu_kernel", "routed_grad_weight_kernel", "routed_linear_tma_kernel",
+            "gather_rows_kernel", "route_gather_rows_kernel", "expert_colsum_kernel", "swiglu_backward_kernel",
+            "routed_linear_kernel", "routed_swiglu_kernel", "routed_grad_weight_kernel", "routed_linear_tma_kernel",
             "routed_linear_gather_tma_kernel", "routed_swiglu_tma_kernel", "routed_swiglu_pair_tma_kernel",
             "routed_swiglu_gather_tma_kernel", "routed_grad_weight_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"]
 

@@ -52,7 +52,8 @@ constexpr int64_t kSingleBlock = 1024;  // kernels/routing.py SINGLE_BLOCK
 // A routing of M <= kOneBlock rows is deferred to the first kernel that reads it: until then perm and seg are
 // allocated but unwritten and `pending` holds the mask. The token-order gather GEMMs (the linear_dual forward, the ffn
 // decode gate/up) route it in their own programs, one launch fewer, as does the gather of an unaligned one (the ffn
-// forward's x: route_gather_rows_kernel); every other launcher first launches the routing kernel. A launcher that consumes it clears `pending` (mutable: the state of the device buffers, not of the routing).
+// forward's x: route_gather_rows_kernel); every other launcher first launches the routing kernel. A launcher that
+// consumes it clears `pending` (mutable: the state of the device buffers, not of the routing).
 struct Routing {
   at::Tensor perm, seg;
   // route(): the one allocation that holds both, int32: seg, 3 unused slots (perm stays 16-byte aligned), perm; an
