@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import grid_dependency_sync
-from kernels.routing import pad_and_seg, route_one_block
+from kernels.routing import expert_positions, pad_and_seg, route_one_block
 from kernels.swiglu_backward import swiglu_grads
 
 # Rows per program of gather_rows_kernel (the AOT manifest compiles this value and puts it in the keys as "rows";
@@ -380,10 +380,9 @@ def route_gather_rows_kernel(mask_ptr, src_ptr, dst_ptr, perm_ptr, seg_ptr, M, M
     is1_all = tl.load(mask_ptr + offs_m, mask=offs_m < M, other=0) != 0
     t1 = tl.sum(is1_all.to(tl.int32), axis=0)
     base1 = tl.sum((is1_all & (offs_m < first)).to(tl.int32), axis=0)
-    m = tl.load(mask_ptr + offs_r, mask=r_ok, other=0)
-    is1 = (m != 0) & r_ok
-    c1 = tl.cumsum(is1.to(tl.int32), axis=0)  # inclusive, as in kernels/routing.py _scatter_rows
-    pos = tl.where(is1, (M - t1) + base1 + c1 - 1, first - base1 + tl.arange(0, BLOCK_R) - c1)
+    # Expert 0's rows before the block: first - base1; expert 1 starts at t0 = M - t1 (no padding).
+    pos = expert_positions(tl.load(mask_ptr + offs_r, mask=r_ok, other=0), offs_r, first, r_ok, first - base1, base1,
+                           M - t1)
     tl.store(dst_ptr + pos.to(tl.int64)[:, None] * stride_dst + offs_c[None, :], v, mask=ok)
     if pid_c == 0:
         tl.store(perm_ptr + pos, offs_r, mask=r_ok)
@@ -844,19 +843,15 @@ def launch_gather_rows(src, dst, perm, *, BLOCK_R=GATHER_ROWS, BLOCK_C=None, col
 def launch_route_gather_rows(mask, src, dst, perm, seg, *, BLOCK_R=GATHER_ROWS, BLOCK_C=None, num_warps=None):
     """route_gather_rows_kernel: routes mask [M] (bool, M <= ONE_BLOCK; kernels/routing.py ALIGN = 1) into perm
     [M + ROW_TAIL] / seg [5] and gathers src [M, C]'s rows into dst [M, C] through it, in one launch."""
-    import torch
     from kernels.routing import one_block_size, padded_rows
     M, C = src.shape
     block = one_block_size(M)
     assert block > 0 and perm.shape[0] == padded_rows(M, 1) and dst.shape[0] >= M
     cols, warps = GATHER_COLS[False]
     BLOCK_C = BLOCK_C or cols
-    if mask.dtype == torch.bool:
-        mask = mask.view(torch.int8)
-    if M == 0:  # keep a valid pointer for the (fully masked) mask loads
-        mask = torch.zeros(1, dtype=torch.int8, device=src.device)
-    grid = (max(1, triton.cdiv(M, BLOCK_R)), max(1, triton.cdiv(C, BLOCK_C)))
-    route_gather_rows_kernel[grid](mask, src, dst, perm, seg, M, perm.shape[0], C, src.stride(0), dst.stride(0),
+    mask_arg, _ = _mask_arg(mask, perm, block)
+    grid = (max(1, triton.cdiv(M, BLOCK_R)), max(1, triton.cdiv(C, BLOCK_C)))  # M = 0: program (0, 0) writes seg
+    route_gather_rows_kernel[grid](mask_arg, src, dst, perm, seg, M, perm.shape[0], C, src.stride(0), dst.stride(0),
                                    MASK_BLOCK=block, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=num_warps or warps)
     return dst
 

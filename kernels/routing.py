@@ -90,15 +90,21 @@ def routing_count_kernel(mask_ptr, block_counts_ptr, M, CHUNK: tl.constexpr, PDL
 
 
 @triton.jit
-def _scatter_rows(m, perm_ptr, offs, first, valid, base0, base1, start1):
-    """Stable scatter of the rows `offs` = first + [0, n) of one block, m their mask values: expert 0's rows go to
-    base0 + their rank among this block's expert-0 rows, expert 1's to start1 + base1 + rank. One prefix sum: a row's
-    expert-0 rank is its position in the block minus the expert-1 rows before it."""
+def expert_positions(m, offs, first, valid, base0, base1, start1):
+    """Expert-ordered positions (stable) of the rows `offs` = first + [0, n) of one block, m their mask values:
+    expert 0's rows go to base0 + their rank among this block's expert-0 rows, expert 1's to start1 + base1 + rank.
+    One prefix sum: a row's expert-0 rank is its position in the block minus the expert-1 rows before it."""
     is1 = (m != 0) & valid
     c1 = tl.cumsum(is1.to(tl.int32), axis=0)  # inclusive: expert-1 rows in [first, offs]
     pos1 = start1 + base1 + c1 - 1
     pos0 = base0 + (offs - first) - c1  # for an expert-0 row, c1 counts only rows before it
-    tl.store(perm_ptr + tl.where(is1, pos1, pos0), offs, mask=valid)
+    return tl.where(is1, pos1, pos0)
+
+
+@triton.jit
+def _scatter_rows(m, perm_ptr, offs, first, valid, base0, base1, start1):
+    """perm[expert_positions(..)] = offs for the rows of one block."""
+    tl.store(perm_ptr + expert_positions(m, offs, first, valid, base0, base1, start1), offs, mask=valid)
 
 
 @triton.jit
