@@ -6,9 +6,10 @@ config-table change that is too close for aot.tune's one pass per config).
 
 bf16, a 50% random mask, inputs rotated past L2 (three sets). The Triton JIT kernels of kernels/gemm.py (needs triton
 and a Hopper GPU for the TMA kernels; no extension build), each variant captured in a CUDA graph of nine calls and
-replayed; per round every variant runs once, in the same order, so clock drift under sustained load (an H100 loses
-~10% of its matrix rate as it heats) reaches all of them alike. Reports each variant's median time and its median
-per-round ratio to cuBLAS (`torch.matmul` on one expert's weight, all M rows). Variants:
+replayed; per round every variant runs once, in a random order drawn anew each round, so clock drift under
+sustained load (an H100 loses ~10% of its matrix rate as it heats) reaches all of them alike and no variant keeps the
+place in the round that favours it. Reports each variant's median time and its median per-round ratio to cuBLAS
+(`torch.matmul` on one expert's weight, all M rows). Variants:
   gather[_f]    routed_linear_gather_tma_kernel (A rows gathered inside), routing kernel before it
   routed[_f]    the same kernel routing the mask itself (ROUTE_BLOCK, M <= 4096)
   tma_s3/s4[_f] routed_linear_tma_kernel on a pre-gathered expert-ordered A (the GEMM alone, without the gather copy)
@@ -42,12 +43,20 @@ def graph_of(torch, calls):
     return g, 3 * len(calls)
 
 
-def interleaved(torch, variants, rounds: int, inner: int = 3):
-    """{name: [calls]} -> ({name: median µs per call}, {name: median per-round ratio to the first variant})."""
+def interleaved(torch, variants, rounds: int, inner: int = 3, seed: int = 0):
+    """{name: [calls]} -> ({name: median µs per call}, {name: median per-round ratio to the first variant}).
+    Every round runs each variant once, in a fresh random order (seeded). In a fixed order with several heavy
+    variants per round, two copies of one kernel once read 2-5% apart by their place in the round (H100, docs/perf.md
+    v20), more than many differences measured here; shuffled, they agreed within 0.3%."""
+    import random
     graphs = {k: graph_of(torch, v) for k, v in variants.items()}
     times = {k: [] for k in variants}
+    order = list(graphs)
+    rng = random.Random(seed)
     for _ in range(rounds):
-        for k, (g, n) in graphs.items():
+        rng.shuffle(order)
+        for k in order:
+            g, n = graphs[k]
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             for _ in range(inner):
