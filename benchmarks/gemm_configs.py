@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 
@@ -48,7 +49,6 @@ def interleaved(torch, variants, rounds: int, inner: int = 3, seed: int = 0):
     Every round runs each variant once, in a fresh random order (seeded). In a fixed order with several heavy
     variants per round, two copies of one kernel once read 2-5% apart by their place in the round (H100, docs/perf.md
     v20), more than many differences measured here; shuffled, they agreed within 0.3%."""
-    import random
     graphs = {k: graph_of(torch, v) for k, v in variants.items()}
     times = {k: [] for k in variants}
     order = list(graphs)

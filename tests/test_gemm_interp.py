@@ -62,6 +62,17 @@ def gathered(x, perm, rows):
     return gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
 
 
+def routed_by_gather(mask, x):
+    """gemm.launch_route_gather_rows of x [M, C] into poisoned outputs (perm and seg 7, the gathered rows NaN), every
+    entry of which the kernel must write: (xg [M, C], perm, seg). Row blocks of 16, column blocks of 32."""
+    M = mask.shape[0]
+    perm = torch.full((padded_rows(M, 1), ), 7, dtype=torch.int32)
+    seg = torch.full((5, ), 7, dtype=torch.int32)
+    xg = torch.full((M, x.shape[1]), float("nan"), dtype=x.dtype)
+    gemm.launch_route_gather_rows(mask, x, xg, perm, seg, BLOCK_R=16, BLOCK_C=32)
+    return xg, perm, seg
+
+
 def ref_linear(x, w0, w1, b0, b1, mask):
     x, w0, w1 = x.double(), w0.double(), w1.double()
     y0 = x @ w0.T
@@ -149,10 +160,7 @@ def test_route_gather_rows(M, kind):
     mask = make_mask(kind, M, gen) if M > 0 else torch.zeros(0, dtype=torch.bool)
     x = rnd(gen, M, 50)[:, 3:43]
     perm_ref, seg_ref = route(mask, align=1)
-    perm = torch.full((padded_rows(M, 1), ), 7, dtype=torch.int32)  # poisoned: every entry must be written
-    seg = torch.full((5, ), 7, dtype=torch.int32)
-    dst = torch.full((M, 40), float("nan"))
-    gemm.launch_route_gather_rows(mask, x, dst, perm, seg, BLOCK_R=16, BLOCK_C=32)
+    dst, perm, seg = routed_by_gather(mask, x)
     assert torch.equal(seg, seg_ref) and torch.equal(perm, perm_ref)
     assert torch.equal(dst, x[perm_ref[:M].long()])
 
@@ -403,10 +411,7 @@ def test_unaligned_ffn_forward(kind, gate_up):
     x = rnd(gen, M, H, dtype=dtype)
     w1, w3, w2 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, N, I, dtype=dtype)
     if gate_up == "pair_routed_by_gather":
-        perm = torch.full((padded_rows(M, 1), ), 7, dtype=torch.int32)
-        seg = torch.full((5, ), 7, dtype=torch.int32)
-        xg = torch.full((M, H), float("nan"), dtype=dtype)
-        gemm.launch_route_gather_rows(mask, x, xg, perm, seg, BLOCK_R=16, BLOCK_C=32)
+        xg, perm, seg = routed_by_gather(mask, x)
     else:
         perm, seg = route(mask, align=1)
     assert int(seg[2]) == M and perm.shape[0] == padded_rows(M, 1)
