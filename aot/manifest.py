@@ -207,7 +207,7 @@ def _gemm_variants() -> List[Variant]:
                 ("seg_ptr", "*i32"), ("M", "i32"), ("M_pad", "i32"), ("C", "i32"), ("stride_src", "i32"),
                 ("stride_dst", "i32")]
         cols, warps = GATHER_COLS[False]
-        for block in (routing.ONE_BLOCK_SMALL, routing.ONE_BLOCK_MID, routing.ONE_BLOCK):
+        for block in routing.ONE_BLOCKS:
             key = {"dtype": dt, "block": block, "rows": GATHER_ROWS, "cols": cols}
             for spec in (_aligned(args), {}):
                 out.append(Variant("kernels.gemm:route_gather_rows_kernel", key, args,

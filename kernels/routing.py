@@ -35,6 +35,7 @@ ONE_BLOCK = 4096  # routing_one_block_kernel's BLOCK: masks of up to this many r
 # the H100, alone: 1.3 us at BLOCK = 64 vs 1.6 for 4096 for one token, 1.5 vs 2.1 at BLOCK = 1024 for 1000 tokens).
 ONE_BLOCK_SMALL = 64  # decode steps
 ONE_BLOCK_MID = 1024
+ONE_BLOCKS = (ONE_BLOCK_SMALL, ONE_BLOCK_MID, ONE_BLOCK)  # ascending: one_block_size takes the first that holds M
 SINGLE_BLOCK = 1024  # routing_single_kernel's BLOCK
 # -1 entries past the last row of an unaligned routing (ALIGN = 1): a row tile that starts at an expert's last row
 # reads BLOCK_M entries of perm, and every BLOCK_M divides the aligned routing's ALIGN (128; aot/config_table.py).
@@ -57,7 +58,7 @@ def one_block_size(M: int) -> int:
     """The BLOCK of the one-block routing of a mask of M rows (the smallest of ONE_BLOCK_SMALL / _MID / ONE_BLOCK that
     holds it), or 0 when M > ONE_BLOCK (the two-kernel pass). The C++ launcher chooses the same way (routed_gemm.cpp);
     a gather GEMM that routes for itself is compiled with this as its ROUTE_BLOCK (aot/manifest.py)."""
-    for block in (ONE_BLOCK_SMALL, ONE_BLOCK_MID, ONE_BLOCK):
+    for block in ONE_BLOCKS:
         if M <= block:
             return block
     return 0
@@ -66,8 +67,7 @@ def one_block_size(M: int) -> int:
 def one_block_sizes(lo: int, hi) -> list:
     """one_block_size(m) for every m in (lo, hi] (hi None: unbounded), each once. The size changes only at m = b + 1
     for the blocks b, so m = lo + 1 and those points in the range give every value."""
-    blocks = (ONE_BLOCK_SMALL, ONE_BLOCK_MID, ONE_BLOCK)
-    points = [lo + 1] + [b + 1 for b in blocks if lo + 1 < b + 1 and (hi is None or b + 1 <= hi)]
+    points = [lo + 1] + [b + 1 for b in ONE_BLOCKS if lo + 1 < b + 1 and (hi is None or b + 1 <= hi)]
     return list(dict.fromkeys(one_block_size(m) for m in points))
 
 
