@@ -26,6 +26,8 @@ DualExpertSwiGLU stores them):
   decode  M = 1, 2, 4, 8, 16: bandwidth of reading the weights (3·I·H·2 bytes per expert used) vs the device copy
           bandwidth (read + write; copies of one and of two experts' bytes, the higher of the two is the ceiling;
           target >= 80%), single and dual (random mask with both experts present for M >= 2).
+  mid     M = 256, 1024, 2048 tokens (prefill between decode and the 4096-token targets), dual rand50: fused vs
+          gather+cuBLAS (paired) and cuBLAS useful. Information, no target.
 The fused op is also timed with programmatic dependent launch off ("fused_ops PDL off": dual rand50, single and every
 decode case): what launching each kernel early saves (information, no target).
 
@@ -68,6 +70,7 @@ TARGET_BWD_VS_CUBLAS = 1.15
 TARGET_DECODE_BW = 0.80
 M_TOK, HID, INTER = 4096, 4096, 11008
 DECODE_MS = (1, 2, 4, 8, 16)
+MID_MS = (256, 1024, 2048)
 DUAL_MASKS = ("rand50", "span", "vision90")
 
 IMPL_FUSED = "fused_ops"
@@ -432,6 +435,38 @@ def case_decode(res: Results, opts, ctx):
     cleanup()
 
 
+def case_mid(res: Results, opts, ctx):
+    H, I = HID, INTER  # noqa: E741
+    dt = torch.bfloat16
+    ex = ctx["ex"]
+    log(f"[mid] M in {MID_MS}: dual rand50 against gather+cuBLAS and cuBLAS useful (information)")
+    gen = torch.Generator().manual_seed(4)
+    cub = cublas_useful(ex.w13[1], ex.W2[1], I)
+    for M in MID_MS:
+        case = f"mid M={M} rand50"
+        mask = make_mask("rand50", M, gen)
+        xs = [(torch.randn(M, H, device=DEV, dtype=dt),) for _ in range(common.rotation_count(M * H * 2))]
+        x_chk = xs[0][0]
+        flops = 6.0 * M * H * I
+        ref = ffn_ref(x_chk, ex, mask)
+        fused = lambda x, mask=mask: torch.ops.fused.ffn(x, *ex.dual_args(mask))  # noqa: E731
+        gather = gather_dual(ex, mask)
+        rows = {}
+        for impl, fn, note, want in (
+                (IMPL_FUSED, fused, "", ref),
+                (IMPL_GATHER, gather, "indices, [W1;W3] prepared (untimed)", ref),
+                (IMPL_CUBLAS, cub, "one expert, all rows", cublas_useful_ref(x_chk, ex.w13[1], ex.W2[1], I))):
+            rows[impl] = measure(res, opts, case, impl, fn, xs, flops, note=note,
+                                 check=lambda fn=fn, want=want: rel_err(poisoned_call(fn, x_chk, out_bytes=M * H * 2),
+                                                                        want))
+        f = rows[IMPL_FUSED]
+        paired = paired_ratio(res, opts, case, fused, gather, xs)
+        f["note"] = (f"{paired[0]:.3f}x gather+cuBLAS time (paired), speedup {ratio(rows[IMPL_GATHER], f):.2f}x; "
+                     f"{ratio(f, rows[IMPL_CUBLAS]):.3f}x cuBLAS useful")
+        del xs, ref
+    cleanup()
+
+
 # =============================================================================== reporting
 def render_markdown(res: Results, meta: dict) -> str:
     lines = [f"# SwiGLU FFN (ffn) benchmark on {meta['device']}", "",
@@ -460,7 +495,7 @@ def render_markdown(res: Results, meta: dict) -> str:
 
 
 # =============================================================================== main
-CASES = ("dual", "single", "memory", "bwd", "decode")
+CASES = ("dual", "single", "memory", "bwd", "decode", "mid")
 
 
 def parse_args(argv=None):
@@ -498,7 +533,7 @@ def main(argv=None) -> int:
 
     cases = [(name, lambda res, run=run: run(res, opts, ctx))
              for name, run in (("dual", case_dual), ("single", case_single), ("memory", case_memory),
-                               ("bwd", case_bwd), ("decode", case_decode))]
+                               ("bwd", case_bwd), ("decode", case_decode), ("mid", case_mid))]
     res, meta = run_cases(NAME, opts, DEV, cases, setup=setup)
     return finish(NAME, res, meta, render_markdown(res, meta), opts.out)
 

@@ -20,7 +20,9 @@ Cases (bf16, weights nn.Linear [N, K] stacked in one [2, N, K] tensor as DualLin
           argument, "routes again"), all five outputs ("+ bias grads") and a frozen text expert (grad x and grad
           weight_v only, "frozen text").
   decode  M = 1, 4, 16, 64 tokens, random mask: linear_dual vs gather+cuBLAS (and one F.linear); weights rotated
-          past L2, so every call reads them from HBM. No target (information).
+          past L2, so every call reads them from HBM. Target: no slower than gather+cuBLAS (paired ratio <= 1).
+  mid     M = 256, 1024, 2048 tokens (prefill between decode and the 4096-token target), random mask, weights
+          rotated past L2: linear_dual vs gather+cuBLAS and one F.linear. Information, no target.
 The fused op is also timed with programmatic dependent launch off ("fused_ops PDL off", fwd and decode for every
 mask, bwd rand50): what launching each kernel early saves (information, no target).
 
@@ -55,6 +57,8 @@ TARGET_FWD_VS_CUBLAS = 1.10
 TARGET_BWD_VS_CUBLAS = 1.20
 SIZE = 4096
 DECODE_MS = (1, 4, 16, 64)
+TARGET_DECODE_VS_GATHER = 1.0
+MID_MS = (256, 1024, 2048)
 MASKS = ("rand50", "all_true", "all_false", "span")
 
 IMPL_FUSED = "fused_ops"
@@ -240,15 +244,16 @@ def case_bwd(res: Results, opts):
     cleanup()
 
 
-def case_decode(res: Results, opts):
+def _per_m_case(res: Results, opts, label: str, ms, seed: int, target: bool):
+    """linear_dual at each M of `ms` (random mask, both experts present), K = N = 4096, weights rotated past L2 so
+    every call reads them from HBM: against gather+cuBLAS (paired ratio; a target when `target`) and one F.linear."""
     K = N = SIZE
     dt = torch.bfloat16
-    log(f"[decode] M in {DECODE_MS}, K=N={K} bf16, random mask, weights rotated past L2")
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator().manual_seed(seed)
     nw = common.rotation_count(2 * N * K * 2)
     ws = [stacked_weights(N, K, dt) for _ in range(nw)]
-    for M in DECODE_MS:
-        case = f"decode M={M}"
+    for M in ms:
+        case = f"{label} M={M}"
         mask = make_mask("rand50", M, gen)
         if M >= 2 and (bool(mask.all()) or not bool(mask.any())):
             mask[0] = ~mask[0]  # both experts present
@@ -260,10 +265,13 @@ def case_decode(res: Results, opts):
         flops = 2.0 * M * N * K
         wbytes = n_exp * N * K * 2
 
+        def fused(x, wv, wt, mask=mask):
+            return torch.ops.fused.linear_dual(x, mask, wv, wt)
+
         def gather(x, wv, wt, iv=iv, it=it):
             return gather_fwd(iv, it, wv, wt, N)(x)
 
-        impls = [(IMPL_FUSED, lambda x, wv, wt, mask=mask: torch.ops.fused.linear_dual(x, mask, wv, wt), ""),
+        impls = [(IMPL_FUSED, fused, ""),
                  (IMPL_GATHER, gather, "indices precomputed (untimed)"),
                  (IMPL_CUBLAS, lambda x, wv, wt: F.linear(x, wv), "one expert only (reads half the weights)")]
         rows = {}
@@ -275,12 +283,27 @@ def case_decode(res: Results, opts):
 
             wb = N * K * 2 if impl == IMPL_CUBLAS else wbytes
             rows[impl] = measure(res, opts, case, impl, fn, sets, flops, check=chk, note=note, wbytes=wb)
-        measure_pdl_off(res, opts, case, impls[0][1], sets, flops, wbytes=wbytes)
-        f = rows[IMPL_FUSED]
-        f["note"] = f"{n_exp} expert(s) read; speedup {rows[IMPL_GATHER]['ms'] / f['ms']:.2f}x vs gather+cuBLAS"
-        del sets
+        measure_pdl_off(res, opts, case, fused, sets, flops, wbytes=wbytes)
+        f, g = rows[IMPL_FUSED], rows[IMPL_GATHER]
+        paired = paired_ratio(res, opts, case, fused, gather, sets)
+        f["note"] = (f"{n_exp} expert(s) read; {paired[0]:.3f}x gather+cuBLAS time (paired), speedup "
+                     f"{ratio(g, f):.2f}x; {ratio(f, rows[IMPL_CUBLAS]):.2f}x one F.linear")
+        if target:
+            res.target(f"{case}: linear_dual time / gather+cuBLAS time", paired[0], TARGET_DECODE_VS_GATHER, True, "x",
+                       rows=[f, g], why=paired_note(ratio(f, g), paired))
+        del sets, ref
     del ws
     cleanup()
+
+
+def case_decode(res: Results, opts):
+    log(f"[decode] M in {DECODE_MS}, K=N={SIZE} bf16, random mask, weights rotated past L2")
+    _per_m_case(res, opts, "decode", DECODE_MS, seed=2, target=True)
+
+
+def case_mid(res: Results, opts):
+    log(f"[mid] M in {MID_MS}, K=N={SIZE} bf16, random mask, weights rotated past L2 (information)")
+    _per_m_case(res, opts, "mid", MID_MS, seed=3, target=False)
 
 
 # =============================================================================== reporting
@@ -316,11 +339,11 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per measurement (default 5)")
     p.add_argument("--rep", type=int, default=20, help="timed calls per measurement (default 20)")
-    p.add_argument("--only", default="fwd,bwd,decode", help="comma list of cases: fwd,bwd,decode")
+    p.add_argument("--only", default="fwd,bwd,decode,mid", help="comma list of cases: fwd,bwd,decode,mid")
     p.add_argument("--out", metavar="DIR", help=f"also write {NAME}.json and {NAME}.md here")
     a = p.parse_args(argv)
     a.only = {c.strip() for c in a.only.split(",") if c.strip()}
-    bad = a.only - {"fwd", "bwd", "decode"}
+    bad = a.only - {"fwd", "bwd", "decode", "mid"}
     if bad:
         p.error(f"unknown case(s) in --only: {', '.join(sorted(bad))}")
     if a.warmup < 1 or a.rep < 1:
@@ -336,7 +359,7 @@ def main(argv=None) -> int:
 
     common = _common
     cases = [(name, lambda res, run=run: run(res, opts))
-             for name, run in (("fwd", case_fwd), ("bwd", case_bwd), ("decode", case_decode))]
+             for name, run in (("fwd", case_fwd), ("bwd", case_bwd), ("decode", case_decode), ("mid", case_mid))]
     res, meta = run_cases(NAME, opts, DEV, cases)
     return finish(NAME, res, meta, render_markdown(res, meta), opts.out)
 
