@@ -61,6 +61,8 @@ OPTIONAL = {"routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel"
 # the persistent TMA GEMMs, whose tile loop may be flattened into the K loop ("flatten": true; tl.range(flatten=True))
 PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_linear_gather_tma_kernel",
               "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
+# the persistent kernels that split a last partial round in column halves (kernels/gemm.py _split_tail)
+SPLIT_TAIL = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel", "routed_swiglu_pair_tma_kernel"}
 _ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "flatten", "why", "off"}
 
 
@@ -136,7 +138,7 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
         fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
     if row_idx is not None and ROUTING_ALIGN % blk[row_idx] != 0:
         fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
-    if name == "routed_swiglu_pair_tma_kernel" and blk[1] < 16:
+    if name in SPLIT_TAIL and blk[1] < 16:
         fail(f"{at}: block[1] = {blk[1]} must be at least 16: a split last round loads BLOCK_N / 2 columns per weight "
              "(kernels/gemm.py _split_tail), and TMA and the MMA need 8 or more")
     if e.get("warps") not in (1, 2, 4, 8, 16):

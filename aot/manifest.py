@@ -262,15 +262,18 @@ def _gemm_variants() -> List[Variant]:
                              cfg, archs)
 
         # routed_linear_tma_kernel (sm_90): A expert-ordered through a [BM, BK] descriptor, W stacked [E, R, C]
-        # through a rank-3 descriptor ([1, BN, BK], or [1, BK, BN] when W_TRANSPOSED). (SCATTER_OUT, W_TRANSPOSED,
-        # HAS_BIAS): linear_dual forward / grad-input, ffn down projection, ffn backward (expert-ordered g, u, dh).
+        # through a rank-3 descriptor ([1, BN, BK], or [1, BK, BN] when W_TRANSPOSED), and through one of half the
+        # columns for the split last round (kernels/gemm.py _split_tail). (SCATTER_OUT, W_TRANSPOSED, HAS_BIAS):
+        # linear_dual forward / grad-input, ffn down projection, ffn backward (expert-ordered g, u, dh).
         for cfg, archs in configs("routed_linear_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             for scatter, wt, bias in ((1, 0, 1), (1, 0, 0), (1, 1, 0), (0, 0, 0), (0, 1, 0)):
                 wblock = f"1, {bk}, {bn}" if wt else f"1, {bn}, {bk}"
+                hblock = f"1, {bk}, {bn // 2}" if wt else f"1, {bn // 2}, {bk}"
                 args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w_desc", f"tensordesc<{dt}[{wblock}]>"),
-                        ("bias0_ptr", p), ("bias1_ptr", p), ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"),
-                        ("one_rows", "i32"), ("N", "i32"), ("K", "i32"), ("stride_om", "i32")]
+                        ("wh_desc", f"tensordesc<{dt}[{hblock}]>"), ("bias0_ptr", p), ("bias1_ptr", p),
+                        ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"),
+                        ("K", "i32"), ("stride_om", "i32")]
                 meta = _persistent_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
                 out += _both("kernels.gemm:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
                              args, meta, cfg, archs)
@@ -281,7 +284,8 @@ def _gemm_variants() -> List[Variant]:
         # aligned routing of linear_dual.
         for cfg, archs in configs("routed_linear_gather_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = [("a_ptr", p), ("w_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("bias0_ptr", p), ("bias1_ptr", p),
+            args = [("a_ptr", p), ("w_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
+                    ("wh_desc", f"tensordesc<{dt}[1, {bn // 2}, {bk}]>"), ("bias0_ptr", p), ("bias1_ptr", p),
                     ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("mask_ptr", "*i8"), ("M", "i32"),
                     ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_am", "i32"), ("stride_om", "i32")]
             align = config_table.ROUTING_ALIGN

@@ -438,7 +438,21 @@ def _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED: tl.constexp
 
 
 @triton.jit
-def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr,
+def _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
+                     stride_om, HAS_BIAS: tl.constexpr, SCATTER_OUT: tl.constexpr, W_TRANSPOSED: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """One output tile of routed_linear_tma_kernel: rows [row0, row_hi) of A through a_desc, columns offs_n =
+    n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide), bias, store."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+    _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
+
+
+@triton.jit
+def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr,
                              seg_ptr, one_rows, N, K, stride_om,
                              HAS_BIAS: tl.constexpr, SCATTER_OUT: tl.constexpr,
                              W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -446,7 +460,9 @@ def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm
                              GROUP_M: tl.constexpr,
                              FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
-    (W_TRANSPOSED: [2, K, N] block [1, BK, BN]).  Persistent over the row tiles of _row_tiles x cdiv(N, BN): with
+    (W_TRANSPOSED: [2, K, N] block [1, BK, BN]); wh_desc: the same tensor with half the columns per block (BN / 2),
+    for a last round split in column halves (_split_tail: at 2048 tokens, 17 x 16 tiles of 128 x 256 are 2 rounds
+    and 8 tiles on 132 SMs; docs/perf.md v22). Persistent over the row tiles of _row_tiles x cdiv(N, BN): with
     SCATTER_OUT only the tiles that hold rows, else every tile below end = seg[2] (an expert-ordered output is written
     up to end, padding rows included). one_rows > 0 (with SCATTER_OUT = False): one expert, rows in token order, no
     perm / seg (_walk_tiles)."""
@@ -455,14 +471,18 @@ def routed_linear_tma_kernel(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m, hi0, hi1 = _walk_tiles(seg_ptr, one_rows, BLOCK_M, SCATTER_OUT == False)  # noqa: E712
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
+    main, tail = _split_tail(num_pid_m * num_pid_n, nprog)
+    for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc = _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N, BLOCK_K)
-        if HAS_BIAS:
-            acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-        _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
+        _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
+                         stride_om, HAS_BIAS, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if pid < 2 * tail:
+        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
+                                                    BLOCK_N, GROUP_M)
+        _tma_linear_tile(a_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
+                         stride_om, HAS_BIAS, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2,
+                         BLOCK_K)
 
 
 @triton.jit
@@ -473,8 +493,26 @@ def _gathered_a(a_ptrs, valid, offs_k, K, k0):
 
 
 @triton.jit
-def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr, mask_ptr, M,
-                                    M_pad, N, K, stride_am, stride_om,
+def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
+                        stride_am, stride_om, HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One output tile of routed_linear_gather_tma_kernel: A's rows gathered through perm[row0, row_hi), columns
+    offs_n = n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide), bias, rows scattered."""
+    offs_k = tl.arange(0, BLOCK_K)
+    rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = _linear_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w_desc, e, n0, k0, acc, False,
+                           INPUT_PRECISION, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+    _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, True, BLOCK_M)
+
+
+@triton.jit
+def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr,
+                                    mask_ptr, M, M_pad, N, K, stride_am, stride_om,
                                     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
@@ -482,26 +520,25 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr
     """The forward of routed_linear_tma_kernel (W through TMA, output rows scattered) with A in token order, its rows
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
     of docs/perf.md ("gather inside the GEMM"), measured against gather + routed_linear_tma_kernel by aot/tune.py.
-    Persistent over the tiles that hold rows. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles)."""
+    Persistent over the tiles that hold rows, a last round split in column halves through wh_desc as in
+    routed_linear_tma_kernel. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m, hi0, hi1 = _routed_row_tiles(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK_M, ROUTE_BLOCK,
                                                         ALIGN)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
+    main, tail = _split_tail(num_pid_m * num_pid_n, nprog)
+    for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
-        rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
-        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = _linear_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w_desc, e, n0, k0, acc, False,
-                               INPUT_PRECISION, BLOCK_N, BLOCK_K)
-        if HAS_BIAS:
-            acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-        _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, True, BLOCK_M)
+        _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
+                            K, stride_am, stride_om, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if pid < 2 * tail:
+        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
+                                                    BLOCK_N, GROUP_M)
+        _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
+                            K, stride_am, stride_om, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2, BLOCK_K)
 
 
 @triton.jit
@@ -876,13 +913,14 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
     N = w_stacked.shape[2] if w_transposed else w_stacked.shape[1]
     a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
     w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BK, BN] if w_transposed else [1, BN, BK])
+    wh_desc = TensorDescriptor.from_tensor(w_stacked, [1, BK, BN // 2] if w_transposed else [1, BN // 2, BK])
     has_bias = bias0 is not None
     if not has_bias:
         bias0 = bias1 = out
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_linear_tma_kernel[grid](a_desc, w_desc, bias0, bias1, out, perm, seg, one_rows, N, K, out.stride(0),
-                                   HAS_BIAS=has_bias, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
+    routed_linear_tma_kernel[grid](a_desc, w_desc, wh_desc, bias0, bias1, out, perm, seg, one_rows, N, K,
+                                   out.stride(0), HAS_BIAS=has_bias, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                    GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return out
@@ -899,12 +937,13 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
     K = a.shape[1]
     N = w_stacked.shape[1]
     w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN, BK])
+    wh_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN // 2, BK])
     has_bias = bias0 is not None
     if not has_bias:
         bias0 = bias1 = out
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_linear_gather_tma_kernel[grid](a, w_desc, bias0, bias1, out, perm, seg, mask_arg, M, M_pad, N, K,
+    routed_linear_gather_tma_kernel[grid](a, w_desc, wh_desc, bias0, bias1, out, perm, seg, mask_arg, M, M_pad, N, K,
                                           a.stride(0), out.stride(0), HAS_BIAS=has_bias,
                                           INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                           GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,

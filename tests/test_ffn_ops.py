@@ -20,7 +20,7 @@ from torch import nn
 
 import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
 from fused_ops.ffn import DualExpertSwiGLU, FusedSwiGLU, ffn
-from device_helpers import poison_allocator, sync
+from device_helpers import poison_allocator, split_counts, sync
 from reference_routed import MASK_KINDS, ffn_reference, make_mask, reference_grads, rel_err, strided_view
 
 OPS = torch.ops.fused
@@ -433,6 +433,30 @@ def test_gate_up_split_last_round(gpu_device):
     mask = torch.zeros(M, dtype=torch.bool)
     mask[c0:] = True
     mask = mask[torch.randperm(M, generator=torch.Generator().manual_seed(5))].to(gpu_device)
+    x = strided_view((M,), H, torch.bfloat16, gpu_device)
+    w = make_weights(H, I, torch.bfloat16, gpu_device)
+    poison_allocator(gpu_device, 8 * M * max(H, I) * 2)
+    out, ref = run_and_check_grads(x, w, mask, TOL[torch.bfloat16])
+    check_out(out, ref, (M, H), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1000, 2000])
+def test_down_split_last_round(gpu_device, M):
+    """The down projection (routed_linear_tma_kernel, scattered rows of the unaligned routing) computes a last round
+    that fills at most half the SMs in column halves (kernels/gemm.py _split_tail): expert counts and H chosen for
+    this GPU's SM count and the table's config at M, the tokens shuffled. bf16 forward and every gradient against
+    float64, NaN-poisoned allocator."""
+    major, minor = torch.cuda.get_device_capability(gpu_device)
+    sms = torch.cuda.get_device_properties(gpu_device).multi_processor_count
+    split = split_counts("routed_linear_tma_kernel", M, major * 10 + minor, sms)
+    if split is None:
+        pytest.skip("the TMA GEMMs run on sm_90 only")
+    c0, c1, H = split
+    I = 256  # noqa: E741
+    mask = torch.zeros(M, dtype=torch.bool)
+    mask[c0:] = True
+    mask = mask[torch.randperm(M, generator=torch.Generator().manual_seed(7))].to(gpu_device)
     x = strided_view((M,), H, torch.bfloat16, gpu_device)
     w = make_weights(H, I, torch.bfloat16, gpu_device)
     poison_allocator(gpu_device, 8 * M * max(H, I) * 2)

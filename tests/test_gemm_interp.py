@@ -881,6 +881,66 @@ def test_linear_gather_tma(dtype, kind, route_block):
         assert torch.equal(perm, want[0]) and torch.equal(seg, want[1])
 
 
+def split_programs(tiles, split):
+    """A program count below `tiles` whose last partial round gemm._split_tail splits (0 < 2 r <= programs, r = tiles
+    mod programs), or, for split=False, one whose last round is more than half full."""
+    return next(p for p in range(2, tiles) if (0 < 2 * (tiles % p) <= p) == split and tiles % p)
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("N", [48, 40])
+@pytest.mark.parametrize("variant", ["scatter", "transposed", "ordered", "gather", "gather_routed"])
+def test_linear_split_last_round(variant, N, split):
+    """routed_linear_tma_kernel and routed_linear_gather_tma_kernel compute a last round of r tiles as 2r column halves
+    when 2r <= programs (gemm._split_tail), through a second descriptor of BN / 2 columns. The last round's tiles are
+    the last column tile's (grouped order): N = 48 with BN = 16 has both of its halves inside N, N = 40 its second
+    half wholly past N. variant: scattered rows of an unaligned routing with bias (the ffn down projection), W
+    transposed (grad input), an expert-ordered output over whole segments, A gathered inside with bias, and the same
+    routing the mask itself. Poisoned outputs, float64 reference."""
+    M, K = 45, 40
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(43)
+    mask = make_mask("random", M, gen)
+    x = rnd(gen, M, K, dtype=dtype)
+    w = rnd(gen, 2, N, K, dtype=dtype)
+    b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
+    perm, seg = route(mask, align=1 if variant == "scatter" else ALIGN)
+    counts = int(seg[3]), int(seg[4])
+    row_tiles = int(seg[2]) // T["BM"] if variant == "ordered" else sum(triton.cdiv(c, T["BM"]) for c in counts)
+    programs = split_programs(row_tiles * triton.cdiv(N, T["BN"]), split)
+    kw = dict(input_precision="ieee", num_programs=programs, **T)
+    if variant == "scatter":
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        gemm.launch_routed_linear_tma(gathered(x, perm, M), w, b0, b1, out, perm, seg, **kw)
+        ref = ref_linear(x, w[0], w[1], b0, b1, mask)
+    elif variant == "transposed":  # dx = dy · W_e for dy [M, N]: the output has K columns, the halves split K
+        dy = rnd(gen, M, N, dtype=dtype)
+        w = rnd(gen, 2, N, N, dtype=dtype)  # [2, N, K = N]: the same column tiles as the other variants
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        gemm.launch_routed_linear_tma(gathered(dy, perm, perm.shape[0]), w, None, None, out, perm, seg,
+                                      w_transposed=True, **kw)
+        ref = torch.where(mask[:, None], dy.double() @ w[1].double(), dy.double() @ w[0].double())
+    elif variant == "ordered":
+        ordered = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
+        gemm.launch_routed_linear_tma(gathered(x, perm, perm.shape[0]), w, None, None, ordered, perm, seg,
+                                      scatter_out=False, **kw)
+        end, valid = int(seg[2]), perm >= 0
+        assert (ordered[:end][~valid[:end]] == 0).all() and torch.isnan(ordered[end:]).all()
+        out, ref = ordered[valid], ref_linear(x, w[0], w[1], None, None, mask)[perm[valid].long()]
+    else:
+        route_block = 64 if variant == "gather_routed" else 0
+        want = (perm, seg)
+        if route_block:
+            perm, seg, want = routed_here(mask, ALIGN)
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, mask=mask, route_block=route_block,
+                                             align=ALIGN, **kw)
+        assert torch.equal(perm, want[0]) and torch.equal(seg, want[1])
+        ref = ref_linear(x, w[0], w[1], b0, b1, mask)
+    assert torch.isfinite(out).all(), "an output row was not written"
+    assert rel_err(out, ref) < TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["random", "all_true", "all_false", "span"])
 @pytest.mark.parametrize("route_block, align", [(0, ALIGN), (64, ALIGN), (64, 1)])

@@ -71,6 +71,10 @@ def _bad(mutate):
      "an \"off\" bucket has only max_m"),
     (lambda t: t["kernels"]["routed_swiglu_pair_tma_kernel"]["half"][1].update(block=[128, 8, 64]),
      "block[1] = 8 must be at least 16"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(block=[16, 8, 256]),
+     "block[1] = 8 must be at least 16"),
+    (lambda t: t["kernels"]["routed_linear_gather_tma_kernel"]["half"][0].update(block=[16, 8, 256]),
+     "block[1] = 8 must be at least 16"),
     (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(flatten=True), "'flatten' is a bool, and only"),
     (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(flatten=1), "'flatten' is a bool, and only"),
 ])

@@ -14,7 +14,7 @@ import torch
 
 import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
 from fused_ops.linear_dual import DualLinear, linear_dual
-from device_helpers import poison_allocator, sync
+from device_helpers import poison_allocator, split_counts, sync
 from reference_routed import MASK_KINDS, linear_dual_reference, make_mask, reference_grads, rel_err, strided_view
 
 OPS = torch.ops.fused
@@ -422,6 +422,30 @@ def test_routing_sizes(gpu_device, M):
     K, N = 128, 96
     x = strided_view((M,), K, torch.bfloat16, gpu_device)
     mask = make_mask("random", (M,), gpu_device)
+    wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, gpu_device, "both")
+    poison_allocator(gpu_device, 8 * M * max(N, K) * 2)
+    out, ref = run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[torch.bfloat16])
+    check_out(out, ref, (M, N), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1000, 2000])
+def test_split_last_round(gpu_device, M):
+    """The forward's gather GEMM (sm_90) computes a last round that fills at most half the SMs in column halves,
+    after its whole rounds (kernels/gemm.py _split_tail; at M = 2000 and N = 4096 its tiles are 2 rounds and 8 tiles
+    on 132 SMs). Expert counts and N chosen for this GPU's SM count and the table's config at M (one bucket per M),
+    the tokens shuffled. bf16 with biases, forward and every gradient against float64, NaN-poisoned allocator."""
+    major, minor = torch.cuda.get_device_capability(gpu_device)
+    K = 256
+    sms = torch.cuda.get_device_properties(gpu_device).multi_processor_count
+    split = split_counts("routed_linear_gather_tma_kernel", M, major * 10 + minor, sms)
+    if split is None:
+        pytest.skip("the gather GEMM runs on sm_90 only")
+    c0, c1, N = split
+    mask = torch.zeros(M, dtype=torch.bool)
+    mask[c0:] = True
+    mask = mask[torch.randperm(M, generator=torch.Generator().manual_seed(6))].to(gpu_device)
+    x = strided_view((M,), K, torch.bfloat16, gpu_device)
     wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, gpu_device, "both")
     poison_allocator(gpu_device, 8 * M * max(N, K) * 2)
     out, ref = run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[torch.bfloat16])

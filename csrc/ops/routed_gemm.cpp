@@ -412,7 +412,10 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     if (c && !config_off(*c)) {
       const RouteHere here = route_here(r);
       const Experts::Stacked& st = w.stacked();
+      // W twice: blocks of BLOCK_N columns, and of BLOCK_N / 2 for a split last round (the box comes from the
+      // kernel's metadata).
       args.ptr(a.t.data_ptr())
+          .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
           .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
           .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
           .ptr(here.mask).i32(r.M)
@@ -433,6 +436,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     const Experts::Stacked& st = w.stacked();
     args.tensor(ap.data_ptr(), {ap.size(0), k}, {ap.stride(0), 1})
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
+        .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})  // wh_desc, as above
         .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(perm_arg(r, out.t)).ptr(seg_arg(r, out.t))
         .i32(one_rows(r)).i32(n).i32(k).i32(out.t.stride(0));
     const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(n, c.block[1]);  // persistent: any grid >= 1 covers all
