@@ -15,8 +15,9 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
   (the reduction length for the grad-weight kernels); the runtime takes the first bucket with m <= max_m.
 * `block`, `group` (GROUP_M / GROUP_N), `warps`, `stages`: the meta-parameters compiled in; `"flatten": true` (the
   persistent TMA GEMMs only, PERSISTENT below) flattens the loop over tiles into the K loop, so the compiler's
-  pipeline runs across tiles and the next tile's loads overlap this one's epilogue. An optional `why` says where a
-  value comes from.
+  pipeline runs across tiles and the next tile's loads overlap this one's epilogue. `"split": true` (the linear TMA
+  GEMMs, SPLIT_CONFIG below) compiles in the split of a last partial round in column halves (kernels/gemm.py
+  _split_tail; the paired gate/up GEMM always has it). An optional `why` says where a value comes from.
 * `"off": true` (only for kernels that are an alternative design, OPTIONAL below): the kernel is not used for the
   bucket's m, and the launcher takes the other design (for routed_{linear,swiglu}_gather_tma_kernel: a gather copy,
   then routed_{linear,swiglu}_tma_kernel; for routed_swiglu_pair_tma_kernel: routed_swiglu_tma_kernel; for
@@ -61,9 +62,11 @@ OPTIONAL = {"routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel"
 # the persistent TMA GEMMs, whose tile loop may be flattened into the K loop ("flatten": true; tl.range(flatten=True))
 PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_linear_gather_tma_kernel",
               "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
-# the persistent kernels that split a last partial round in column halves (kernels/gemm.py _split_tail)
-SPLIT_TAIL = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel", "routed_swiglu_pair_tma_kernel"}
-_ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "flatten", "why", "off"}
+# the persistent kernels that may split a last partial round in column halves (kernels/gemm.py _split_tail):
+# SPLIT_CONFIG where the table's "split" says so (SPLIT_TAIL), the pair kernel always
+SPLIT_CONFIG = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"}
+SPLIT_TAIL = SPLIT_CONFIG | {"routed_swiglu_pair_tma_kernel"}
+_ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "flatten", "split", "why", "off"}
 
 
 def family(dtype: str, prec: str) -> str:
@@ -79,7 +82,8 @@ def cfg_str(entry: Dict) -> str:
     s = "x".join(str(b) for b in entry["block"])
     if "group" in entry:
         s += f"_g{entry['group']}"
-    return s + f"_w{entry['warps']}_s{entry['stages']}" + ("_f" if entry.get("flatten") else "")
+    return (s + f"_w{entry['warps']}_s{entry['stages']}" + ("_f" if entry.get("flatten") else "")
+            + ("_t" if entry.get("split") else ""))
 
 
 def _pow2(v) -> bool:
@@ -138,7 +142,9 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
         fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
     if row_idx is not None and ROUTING_ALIGN % blk[row_idx] != 0:
         fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
-    if name in SPLIT_TAIL and blk[1] < 16:
+    if "split" in e and (name not in SPLIT_CONFIG or not isinstance(e["split"], bool)):
+        fail(f"{at}: 'split' is a bool, and only for {', '.join(sorted(SPLIT_CONFIG))}")
+    if (name in SPLIT_TAIL - SPLIT_CONFIG or e.get("split")) and blk[1] < 16:
         fail(f"{at}: block[1] = {blk[1]} must be at least 16: a split last round loads BLOCK_N / 2 columns per weight "
              "(kernels/gemm.py _split_tail), and TMA and the MMA need 8 or more")
     if e.get("warps") not in (1, 2, 4, 8, 16):
@@ -186,7 +192,8 @@ def dumps(table: Dict) -> str:
         for fi, (fam, bks) in enumerate(items):
             lines.append(f'   "{fam}": [')
             for bi, e in enumerate(bks):
-                order = [k for k in ("max_m", "off", "block", "group", "warps", "stages", "flatten", "why") if k in e]
+                order = [k for k in ("max_m", "off", "block", "group", "warps", "stages", "flatten", "split", "why")
+                         if k in e]
                 body = ", ".join(f'"{k}": {json.dumps(e[k])}' for k in order)
                 lines.append(f"    {{{body}}}" + ("," if bi + 1 < len(bks) else ""))
             lines.append("   ]" + ("," if fi + 1 < len(items) else ""))

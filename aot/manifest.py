@@ -154,6 +154,11 @@ def _persistent_meta(cfg, prec, **flags) -> Dict[str, object]:
     return dict(_tile_meta(cfg, prec, **flags), FLATTEN=bool(cfg.get("flatten", False)))
 
 
+def _split_meta(cfg, prec, **flags) -> Dict[str, object]:
+    """_persistent_meta of a linear TMA GEMM: also SPLIT_TAIL (config_table.SPLIT_CONFIG)."""
+    return dict(_persistent_meta(cfg, prec, **flags), SPLIT_TAIL=bool(cfg.get("split", False)))
+
+
 def _both(kernel, key, args, meta, cfg, archs) -> List[Variant]:
     """The aligned variant first (taken whenever the runtime finds its assumptions hold), then the generic one."""
     key = dict(key, cfg=config_table.cfg_str(cfg))
@@ -263,8 +268,9 @@ def _gemm_variants() -> List[Variant]:
 
         # routed_linear_tma_kernel (sm_90): A expert-ordered through a [BM, BK] descriptor, W stacked [E, R, C]
         # through a rank-3 descriptor ([1, BN, BK], or [1, BK, BN] when W_TRANSPOSED), and through one of half the
-        # columns for the split last round (kernels/gemm.py _split_tail). (SCATTER_OUT, W_TRANSPOSED, HAS_BIAS):
-        # linear_dual forward / grad-input, ffn down projection, ffn backward (expert-ordered g, u, dh).
+        # columns for the split last round (kernels/gemm.py _split_tail; compiled in where the config has "split").
+        # (SCATTER_OUT, W_TRANSPOSED, HAS_BIAS): linear_dual forward / grad-input, ffn down projection, ffn backward
+        # (expert-ordered g, u, dh).
         for cfg, archs in configs("routed_linear_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             for scatter, wt, bias in ((1, 0, 1), (1, 0, 0), (1, 1, 0), (0, 0, 0), (0, 1, 0)):
@@ -274,7 +280,7 @@ def _gemm_variants() -> List[Variant]:
                         ("wh_desc", f"tensordesc<{dt}[{hblock}]>"), ("bias0_ptr", p), ("bias1_ptr", p),
                         ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"),
                         ("K", "i32"), ("stride_om", "i32")]
-                meta = _persistent_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
+                meta = _split_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
                 out += _both("kernels.gemm:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
                              args, meta, cfg, archs)
 
@@ -291,7 +297,7 @@ def _gemm_variants() -> List[Variant]:
             align = config_table.ROUTING_ALIGN
             for route in route_blocks("routed_linear_gather_tma_kernel", fam, cfg):
                 for bias in (1, 0):
-                    meta = _persistent_meta(cfg, prec, HAS_BIAS=bias)
+                    meta = _split_meta(cfg, prec, HAS_BIAS=bias)
                     meta.update(ROUTE_BLOCK=route, ALIGN=align)
                     out += _both("kernels.gemm:routed_linear_gather_tma_kernel",
                                  dict(base, bias=bias, route=route, align=align), args, meta, cfg, archs)

@@ -53,9 +53,9 @@ SINGLE_MAX_M = 64  # up to this m, linear and swiglu are measured with one exper
 # the ops a single-expert call runs (the gather-inside designs serve two experts only)
 SINGLE_OPS = ("linear", "swiglu", "swiglu_pair")
 
-# (block, group, warps, stages[, flatten]) candidates per kernel. TMA GEMMs: 128-row tiles (the routing alignment) or
-# 64 for decode, wide N for the large-m case (what cuBLAS uses on Hopper), narrow N / more stages for decode (more CTAs
-# to stream the weights). Pointer GEMMs: Triton's Ampere configs that fit 99 KiB of shared memory.
+# (block, group, warps, stages[, flatten[, split]]) candidates per kernel. TMA GEMMs: 128-row tiles (the routing
+# alignment) or 64 for decode, wide N for the large-m case (what cuBLAS uses on Hopper), narrow N / more stages for
+# decode (more CTAs to stream the weights). Pointer GEMMs: Triton's Ampere configs that fit 99 KiB of shared memory.
 # 16- and 32-row tiles: decode, where the A tile is nearly all padding and shared memory is better spent on more
 # stages of W.
 _TMA_DECODE = [((16, 64, 128), 8, 4, 6), ((16, 64, 128), 8, 4, 8), ((16, 32, 256), 8, 4, 4),
@@ -65,7 +65,10 @@ _TMA_LINEAR = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128,
                ((64, 64, 128), 8, 4, 4), ((64, 128, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
                ((64, 32, 128), 8, 4, 6), ((64, 64, 128), 8, 4, 6), ((64, 32, 256), 8, 4, 3),
                ((128, 32, 128), 8, 4, 4), ((128, 256, 64), 8, 8, 3, True), ((128, 256, 64), 8, 8, 4, True),
-               ((128, 128, 128), 8, 8, 3, True)] + _TMA_DECODE
+               ((128, 128, 128), 8, 8, 3, True),
+               # with the split last round (mid-size m; docs/perf.md v22)
+               ((128, 256, 64), 8, 8, 3, False, True), ((128, 256, 64), 8, 8, 4, True, True),
+               ((128, 128, 64), 8, 8, 4, False, True), ((128, 128, 64), 8, 4, 4, False, True)] + _TMA_DECODE
 _TMA_SWIGLU = [((128, 128, 64), 8, 8, 3), ((128, 128, 64), 8, 8, 4), ((128, 64, 64), 8, 4, 4),
                ((128, 64, 64), 8, 8, 4), ((64, 64, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
                ((64, 32, 64), 8, 4, 6), ((128, 32, 64), 8, 4, 4), ((64, 64, 128), 8, 4, 4),
@@ -80,13 +83,15 @@ _PTR_GRAD_W = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 8, 4), ((64, 128, 
 _ROPE = [((bh, 64, 128), None, w, 1) for bh in (8, 16, 32) for w in (1, 2, 4, 8)]
 
 
-def _entry(block, group, warps, stages, flatten=False):
+def _entry(block, group, warps, stages, flatten=False, split=False):
     e = {"block": list(block)}
     if group is not None:
         e["group"] = group
     e.update(warps=warps, stages=stages)
     if flatten:
         e["flatten"] = True
+    if split:
+        e["split"] = True
     return e
 
 
@@ -176,6 +181,8 @@ class Problem:
         bm_or_bn, b1, b2 = cfg["block"]
         gm, w, s = cfg.get("group", 8), cfg["warps"], cfg["stages"]
         fl = {"FLATTEN": bool(cfg.get("flatten"))} if self.tma and self.op != "grad_weight" else {}
+        if self.op in ("linear", "linear_gather") and self.tma:
+            fl["SPLIT_TAIL"] = bool(cfg.get("split"))
         G = self.gemm
         if self.op == "linear_gather":
             G.launch_routed_linear_gather_tma(args[0], self.w, None, None, self.out, self.perm, self.seg, BM=bm_or_bn,
@@ -352,7 +359,7 @@ def candidates(kernel, cands, table):
     for e in ct.buckets(table, kernel, fam):
         if e.get("off"):
             continue
-        e = {k: v for k, v in e.items() if k in ("block", "group", "warps", "stages", "flatten")}
+        e = {k: v for k, v in e.items() if k in ("block", "group", "warps", "stages", "flatten", "split")}
         out.setdefault(ct.cfg_str(e), e)
     return fam, out
 
@@ -536,7 +543,8 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv):
             if ct.cfg_str(b) in why:
                 b["why"] = why[ct.cfg_str(b)]
         new["kernels"].setdefault(kernel, {})[fam] = [
-            {k: b[k] for k in ("max_m", "off", "block", "group", "warps", "stages", "flatten", "why") if k in b}
+            {k: b[k] for k in ("max_m", "off", "block", "group", "warps", "stages", "flatten", "split", "why")
+             if k in b}
             for b in buckets]
     tv = sorted({r.get("triton", "?") for r in done.values()})
     how = f"`python -m aot.tune {' '.join(argv)}`"

@@ -458,26 +458,29 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
                              W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr,
-                             FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
+                             FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = False, PDL: tl.constexpr = False):
     """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
     (W_TRANSPOSED: [2, K, N] block [1, BK, BN]); wh_desc: the same tensor with half the columns per block (BN / 2),
-    for a last round split in column halves (_split_tail: at 2048 tokens, 17 x 16 tiles of 128 x 256 are 2 rounds
-    and 8 tiles on 132 SMs; docs/perf.md v22). Persistent over the row tiles of _row_tiles x cdiv(N, BN): with
-    SCATTER_OUT only the tiles that hold rows, else every tile below end = seg[2] (an expert-ordered output is written
-    up to end, padding rows included). one_rows > 0 (with SCATTER_OUT = False): one expert, rows in token order, no
-    perm / seg (_walk_tiles)."""
+    for SPLIT_TAIL (a config's "split"): a last round split in column halves (_split_tail: at 2048 tokens, 17 x 16
+    tiles of 128 x 256 are 2 rounds and 8 tiles on 132 SMs; docs/perf.md v22). Not compiled in where the table does
+    not ask for it: the code after the tile loop cost the flattened large-m kernels 1-3% (v22). Persistent over the
+    row tiles of _row_tiles x cdiv(N, BN): with SCATTER_OUT only the tiles that hold rows, else every tile below
+    end = seg[2] (an expert-ordered output is written up to end, padding rows included). one_rows > 0 (with
+    SCATTER_OUT = False): one expert, rows in token order, no perm / seg (_walk_tiles)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m, hi0, hi1 = _walk_tiles(seg_ptr, one_rows, BLOCK_M, SCATTER_OUT == False)  # noqa: E712
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    main, tail = _split_tail(num_pid_m * num_pid_n, nprog)
+    main = num_pid_m * num_pid_n
+    if SPLIT_TAIL:
+        main, tail = _split_tail(main, nprog)
     for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
         _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
                          stride_om, HAS_BIAS, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    if pid < 2 * tail:
+    if SPLIT_TAIL and pid < 2 * tail:
         row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
                                                     BLOCK_N, GROUP_M)
         _tma_linear_tile(a_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
@@ -516,11 +519,12 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
                                     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                                    FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
+                                    FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = False,
+                                    PDL: tl.constexpr = False):
     """The forward of routed_linear_tma_kernel (W through TMA, output rows scattered) with A in token order, its rows
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
     of docs/perf.md ("gather inside the GEMM"), measured against gather + routed_linear_tma_kernel by aot/tune.py.
-    Persistent over the tiles that hold rows, a last round split in column halves through wh_desc as in
+    Persistent over the tiles that hold rows; SPLIT_TAIL: a last round split in column halves through wh_desc, as in
     routed_linear_tma_kernel. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
@@ -528,13 +532,15 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
     start1, t0, num_pid_m, hi0, hi1 = _routed_row_tiles(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK_M, ROUTE_BLOCK,
                                                         ALIGN)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    main, tail = _split_tail(num_pid_m * num_pid_n, nprog)
+    main = num_pid_m * num_pid_n
+    if SPLIT_TAIL:
+        main, tail = _split_tail(main, nprog)
     for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
         _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
                             K, stride_am, stride_om, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    if pid < 2 * tail:
+    if SPLIT_TAIL and pid < 2 * tail:
         row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
                                                     BLOCK_N, GROUP_M)
         _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
@@ -903,7 +909,8 @@ def launch_expert_colsum(colsum, seg, sum0, sum1, *, ROWS_PER_BLOCK=GATHER_ROWS,
 
 def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, scatter_out=True,
                              w_transposed=False, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
-                             num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, one_rows=0):
+                             num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, one_rows=0,
+                             SPLIT_TAIL=False):
     """a_pad [M_pad, K] expert-ordered; w_stacked [2, N, K] (or [2, K, N] when w_transposed). one_rows > 0: one expert
     of one_rows rows in token order, perm / seg unused (may be None), scatter_out must be False."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -922,13 +929,14 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
     routed_linear_tma_kernel[grid](a_desc, w_desc, wh_desc, bias0, bias1, out, perm, seg, one_rows, N, K,
                                    out.stride(0), HAS_BIAS=has_bias, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                   GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
+                                   GROUP_M=GROUP_M, FLATTEN=FLATTEN, SPLIT_TAIL=SPLIT_TAIL, num_warps=num_warps,
+                                   num_stages=num_stages)
     return out
 
 
 def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, *, mask=None, route_block=0,
                                     align=128, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
-                                    num_programs=None, num_warps=8, num_stages=3, FLATTEN=False):
+                                    num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, SPLIT_TAIL=False):
     """a [M, K] in token order (rows gathered in the kernel); w_stacked [2, N, K]; out [M, N]. route_block > 0: perm
     and seg are written by the kernel from mask (int8 [M], M <= route_block) with routing ALIGN = align."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -947,7 +955,7 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
                                           a.stride(0), out.stride(0), HAS_BIAS=has_bias,
                                           INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                           GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
-                                          num_warps=num_warps, num_stages=num_stages)
+                                          SPLIT_TAIL=SPLIT_TAIL, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

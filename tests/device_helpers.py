@@ -16,14 +16,16 @@ def sync(device):
 
 
 def split_counts(kernel, M, cc, sms):
-    """(c0, c1, N) for the persistent routed GEMM `kernel` at M rows such that its last partial round is split in
-    column halves (kernels/gemm.py _split_tail): both experts' last row tiles partial (c0 + c1 = M rows), and N (its
-    last column tile partial, a multiple of 32) such that the tile count T exceeds the SM count and leaves
-    0 < 2 (T mod SMs) <= SMs. None where the kernel does not serve M (not sm_90, or an "off" bucket)."""
+    """(c0, c1, N) for the persistent routed GEMM `kernel` at M rows, whose table config there has "split", such that
+    its last partial round is split in column halves (kernels/gemm.py _split_tail): both experts' last row tiles
+    partial (c0 + c1 = M rows), and N (its last column tile partial, a multiple of 32) such that the tile count T
+    exceeds the SM count and leaves 0 < 2 (T mod SMs) <= SMs. None where the kernel does not serve M (not sm_90, or
+    an "off" bucket)."""
     import fused_ops
     cfg = fused_ops.kernel_config(kernel, "half", M, cc)
     if cc // 10 != 9 or cfg == "off":
         return None
+    assert cfg.endswith("_t"), f"{kernel} at m = {M}: the table's config {cfg} does not split its last round"
     bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])
     c0 = M // 2 - 10
     c1 = M - c0

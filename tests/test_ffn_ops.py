@@ -430,14 +430,21 @@ def test_gate_up_split_last_round(gpu_device):
     c1 = (row_tiles - row_tiles // 2) * bm - 21
     M = c0 + c1
     assert fused_ops.kernel_config("routed_swiglu_pair_tma_kernel", "half", M, major * 10 + minor) == cfg
+    check_shuffled_counts(gpu_device, c0, c1, H, I, seed=5)
+
+
+def check_shuffled_counts(device, c0, c1, H, I, seed):  # noqa: E741
+    """bf16 dual-expert ffn with c0 text and c1 vision tokens in a shuffled order: forward and every gradient against
+    float64, NaN-poisoned allocator."""
+    M = c0 + c1
     mask = torch.zeros(M, dtype=torch.bool)
     mask[c0:] = True
-    mask = mask[torch.randperm(M, generator=torch.Generator().manual_seed(5))].to(gpu_device)
-    x = strided_view((M,), H, torch.bfloat16, gpu_device)
-    w = make_weights(H, I, torch.bfloat16, gpu_device)
-    poison_allocator(gpu_device, 8 * M * max(H, I) * 2)
+    mask = mask[torch.randperm(M, generator=torch.Generator().manual_seed(seed))].to(device)
+    x = strided_view((M,), H, torch.bfloat16, device)
+    w = make_weights(H, I, torch.bfloat16, device)
+    poison_allocator(device, 8 * M * max(H, I) * 2)
     out, ref = run_and_check_grads(x, w, mask, TOL[torch.bfloat16])
-    check_out(out, ref, (M, H), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+    check_out(out, ref, (M, H), torch.bfloat16, device, TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
@@ -453,15 +460,7 @@ def test_down_split_last_round(gpu_device, M):
     if split is None:
         pytest.skip("the TMA GEMMs run on sm_90 only")
     c0, c1, H = split
-    I = 256  # noqa: E741
-    mask = torch.zeros(M, dtype=torch.bool)
-    mask[c0:] = True
-    mask = mask[torch.randperm(M, generator=torch.Generator().manual_seed(7))].to(gpu_device)
-    x = strided_view((M,), H, torch.bfloat16, gpu_device)
-    w = make_weights(H, I, torch.bfloat16, gpu_device)
-    poison_allocator(gpu_device, 8 * M * max(H, I) * 2)
-    out, ref = run_and_check_grads(x, w, mask, TOL[torch.bfloat16])
-    check_out(out, ref, (M, H), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+    check_shuffled_counts(gpu_device, c0, c1, H, 256, seed=7)
 
 
 @pytest.mark.gpu

@@ -705,8 +705,9 @@ def test_gather_rows_colsum_shipped_block():
 
 # ------------------------------------------------------------------------- every shipped config (aot/configs/*.json)
 def _shipped_configs():
-    """Distinct (kernel, family, block, group) of every table: warps and stages do not change the interpreter's
-    arithmetic, the tile sizes and grouping do (masking of partial tiles, persistent loops, grid math)."""
+    """Distinct (kernel, family, block, group, split) of every table: warps and stages do not change the interpreter's
+    arithmetic, the tile sizes, grouping and the split last round do (masking of partial tiles, persistent loops, grid
+    math)."""
     from aot import config_table as ct
     from aot import manifest
     seen = {}
@@ -717,13 +718,13 @@ def _shipped_configs():
             for fam, buckets in fams.items():
                 for e in buckets:
                     if not e.get("off"):
-                        seen.setdefault((kernel, fam, tuple(e["block"]), e["group"]), None)
+                        seen.setdefault((kernel, fam, tuple(e["block"]), e["group"], bool(e.get("split"))), None)
     return list(seen)
 
 
-@pytest.mark.parametrize("kernel, fam, block, group", _shipped_configs(),
+@pytest.mark.parametrize("kernel, fam, block, group, split", _shipped_configs(),
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_shipped_config(kernel, fam, block, group):
+def test_shipped_config(kernel, fam, block, group, split):
     """Each config the AOT build compiles computes the right result at sizes that leave partial tiles in every
     dimension, with both experts populated and the production routing alignment."""
     dtype = {"half": torch.float16, "tf32": torch.float32, "ieee": torch.float32}[fam]
@@ -748,12 +749,12 @@ def test_shipped_config(kernel, fam, block, group):
                                       BK=bk, GROUP_M=group)
         elif kernel == "routed_linear_tma_kernel":
             gemm.launch_routed_linear_tma(xg, w, b0, b1, out, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
-                                          GROUP_M=group, num_programs=5)
+                                          GROUP_M=group, num_programs=5, SPLIT_TAIL=split)
         else:  # routing the mask itself, as the launcher does for m <= ONE_BLOCK
             perm_k, seg_k, want = routed_here(mask, 128)
             gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm_k, seg_k, mask=mask,
                                                  route_block=one_block_size(M), input_precision=p, BM=bm, BN=bn,
-                                                 BK=bk, GROUP_M=group, num_programs=5)
+                                                 BK=bk, GROUP_M=group, num_programs=5, SPLIT_TAIL=split)
             assert torch.equal(perm_k, want[0]) and torch.equal(seg_k, want[1])
         assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < tol
     elif kernel.startswith("routed_swiglu"):
@@ -891,8 +892,9 @@ def split_programs(tiles, split):
 @pytest.mark.parametrize("N", [48, 40])
 @pytest.mark.parametrize("variant", ["scatter", "transposed", "ordered", "gather", "gather_routed"])
 def test_linear_split_last_round(variant, N, split):
-    """routed_linear_tma_kernel and routed_linear_gather_tma_kernel compute a last round of r tiles as 2r column halves
-    when 2r <= programs (gemm._split_tail), through a second descriptor of BN / 2 columns. The last round's tiles are
+    """routed_linear_tma_kernel and routed_linear_gather_tma_kernel compiled with SPLIT_TAIL (a config's "split")
+    compute a last round of r tiles as 2r column halves when 2r <= programs (gemm._split_tail), through a second
+    descriptor of BN / 2 columns. The last round's tiles are
     the last column tile's (grouped order): N = 48 with BN = 16 has both of its halves inside N, N = 40 its second
     half wholly past N. variant: scattered rows of an unaligned routing with bias (the ffn down projection), W
     transposed (grad input), an expert-ordered output over whole segments, A gathered inside with bias, and the same
@@ -908,7 +910,7 @@ def test_linear_split_last_round(variant, N, split):
     counts = int(seg[3]), int(seg[4])
     row_tiles = int(seg[2]) // T["BM"] if variant == "ordered" else sum(triton.cdiv(c, T["BM"]) for c in counts)
     programs = split_programs(row_tiles * triton.cdiv(N, T["BN"]), split)
-    kw = dict(input_precision="ieee", num_programs=programs, **T)
+    kw = dict(input_precision="ieee", num_programs=programs, SPLIT_TAIL=True, **T)
     if variant == "scatter":
         out = torch.full((M, N), float("nan"), dtype=dtype)
         gemm.launch_routed_linear_tma(gathered(x, perm, M), w, b0, b1, out, perm, seg, **kw)

@@ -71,10 +71,12 @@ def _bad(mutate):
      "an \"off\" bucket has only max_m"),
     (lambda t: t["kernels"]["routed_swiglu_pair_tma_kernel"]["half"][1].update(block=[128, 8, 64]),
      "block[1] = 8 must be at least 16"),
-    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(block=[16, 8, 256]),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(block=[16, 8, 256], split=True),
      "block[1] = 8 must be at least 16"),
-    (lambda t: t["kernels"]["routed_linear_gather_tma_kernel"]["half"][0].update(block=[16, 8, 256]),
+    (lambda t: t["kernels"]["routed_linear_gather_tma_kernel"]["half"][0].update(block=[16, 8, 256], split=True),
      "block[1] = 8 must be at least 16"),
+    (lambda t: t["kernels"]["routed_swiglu_tma_kernel"]["half"][0].update(split=True), "'split' is a bool, and only"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(split=1), "'split' is a bool, and only"),
     (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(flatten=True), "'flatten' is a bool, and only"),
     (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(flatten=1), "'flatten' is a bool, and only"),
 ])
@@ -155,8 +157,8 @@ def test_variant_meta_matches_its_config():
         if "cfg" not in v.key:
             continue
         cfg = v.key["cfg"]
-        flat = bool(v.meta.get("FLATTEN"))
-        assert cfg.endswith(f"_w{v.num_warps}_s{v.num_stages}" + ("_f" if flat else ""))
+        flat, split = bool(v.meta.get("FLATTEN")), bool(v.meta.get("SPLIT_TAIL"))
+        assert cfg.endswith(f"_w{v.num_warps}_s{v.num_stages}" + ("_f" if flat else "") + ("_t" if split else ""))
         names = ("BLOCK_N", "BLOCK_K", "BLOCK_R") if "grad_weight" in v.name else (
             ("BLOCK_H", "BLOCK_HALF", "BLOCK_B") if v.name == "rope_kernel" else ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
         assert cfg.startswith("x".join(str(v.meta[n]) for n in names))
