@@ -31,6 +31,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <limits>
+#include <optional>
 
 #include "ops/ffn.h"
 #include "ops/routed_gemm.h"
@@ -39,6 +40,7 @@
 namespace fused {
 namespace {
 constexpr const char* kOp = "ffn";
+constexpr int64_t kDualPdlMaxRows = 2048;  // the dual forward launches with PDL up to this many tokens
 
 void check_all_cuda(const at::Tensor& x, FUSED_FFN_ARGS) {
   check_cuda(x, "x", kOp);
@@ -90,6 +92,11 @@ at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS) {
 
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
   const bool tma = g.tma_usable({geo.H, geo.I}, /*swiglu=*/true);
+  // The dual expert's x gather -> gate/up -> down measured 2-3.5% slower with programmatic dependent launch at 4096
+  // tokens (paired on / off, H100; two random masks, and a 90% mask in one of two runs; no change single-expert, and
+  // 0.3-0.7% faster with it at 1024 / 2048 tokens): launched without it above kDualPdlMaxRows (docs/perf.md v22).
+  std::optional<NoProgrammaticLaunch> no_pdl;
+  if (geo.dual && geo.M > kDualPdlMaxRows) no_pdl.emplace();
   const at::Tensor xr = as_rows(x);
   // A single expert on the TMA path whose x TMA reads in place needs no routing at all: h is then the forward's only
   // allocation.

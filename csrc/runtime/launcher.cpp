@@ -55,6 +55,7 @@ std::atomic<bool> g_pdl{[] {
   const char* v = std::getenv("FUSED_PDL");
   return !(v && std::strcmp(v, "0") == 0);
 }()};
+thread_local bool t_no_pdl = false;  // set by NoProgrammaticLaunch on this thread
 
 std::mutex g_mutex;  // guards the caches below; module loading happens under it (first use only)
 std::unordered_map<int, Device> g_devices;
@@ -221,6 +222,9 @@ int device_sm_count(int device) {
 
 bool set_programmatic_launch(bool enabled) { return g_pdl.exchange(enabled); }
 
+NoProgrammaticLaunch::NoProgrammaticLaunch() : prev_(t_no_pdl) { t_no_pdl = true; }
+NoProgrammaticLaunch::~NoProgrammaticLaunch() { t_no_pdl = prev_; }
+
 bool stream_is_capturing(CUstream stream) {
   CUstreamCaptureStatus status;
   check(driver().StreamIsCapturing(stream, &status), "cuStreamIsCapturing");
@@ -307,7 +311,7 @@ void launch(const char* kernel, const std::string& key, const KernelArgs& args, 
     a.value.clusterDim.z = 1;
   }
   // The kernel waits for its predecessor before any memory access (kernels/pdl.py), so it may be launched early.
-  if (lf.image->pdl && g_pdl.load(std::memory_order_relaxed)) {
+  if (lf.image->pdl && g_pdl.load(std::memory_order_relaxed) && !t_no_pdl) {
     CUlaunchAttribute& a = attrs[cfg.numAttrs++];
     a.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     a.value.programmaticStreamSerializationAllowed = 1;

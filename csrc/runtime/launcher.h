@@ -74,6 +74,19 @@ int device_sm_count(int device);
 // misbehaves: results are the same either way.
 bool set_programmatic_launch(bool enabled);
 
+// While one lives, this thread's launches go without programmatic dependent launch whatever the switch above says:
+// for a sequence of kernels measured slower with it (docs/perf.md v22). Nests; results do not change.
+class NoProgrammaticLaunch {
+ public:
+  NoProgrammaticLaunch();
+  ~NoProgrammaticLaunch();
+  NoProgrammaticLaunch(const NoProgrammaticLaunch&) = delete;
+  NoProgrammaticLaunch& operator=(const NoProgrammaticLaunch&) = delete;
+
+ private:
+  bool prev_;
+};
+
 // Whether `stream` is capturing a CUDA graph.
 bool stream_is_capturing(CUstream stream);
 
