@@ -62,10 +62,10 @@ OPTIONAL = {"routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel"
 # the persistent TMA GEMMs, whose tile loop may be flattened into the K loop ("flatten": true; tl.range(flatten=True))
 PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_linear_gather_tma_kernel",
               "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
-# the persistent kernels that may split a last partial round in column halves (kernels/gemm.py _split_tail):
-# SPLIT_CONFIG where the table's "split" says so (SPLIT_TAIL), the pair kernel always
+# the persistent kernels that split a last partial round in column halves (kernels/gemm.py _split_tail): SPLIT_CONFIG
+# where the table's "split" says so (constexpr SPLIT_TAIL), ALWAYS_SPLIT in every config
 SPLIT_CONFIG = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"}
-SPLIT_TAIL = SPLIT_CONFIG | {"routed_swiglu_pair_tma_kernel"}
+ALWAYS_SPLIT = {"routed_swiglu_pair_tma_kernel"}
 _ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "flatten", "split", "why", "off"}
 
 
@@ -144,7 +144,7 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
         fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
     if "split" in e and (name not in SPLIT_CONFIG or not isinstance(e["split"], bool)):
         fail(f"{at}: 'split' is a bool, and only for {', '.join(sorted(SPLIT_CONFIG))}")
-    if (name in SPLIT_TAIL - SPLIT_CONFIG or e.get("split")) and blk[1] < 16:
+    if (name in ALWAYS_SPLIT or e.get("split")) and blk[1] < 16:
         fail(f"{at}: block[1] = {blk[1]} must be at least 16: a split last round loads BLOCK_N / 2 columns per weight "
              "(kernels/gemm.py _split_tail), and TMA and the MMA need 8 or more")
     if e.get("warps") not in (1, 2, 4, 8, 16):
