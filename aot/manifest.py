@@ -33,10 +33,11 @@ def table(arch: int) -> Dict:
 
 def route_blocks(kernel: str, family: str, cfg: Dict) -> List[int]:
     """The ROUTE_BLOCKs a gather GEMM that routes for itself needs with config `cfg`: the one-block routing size of
-    every m its buckets serve in any architecture's table (kernels/routing.py one_block_sizes; 0 = m too large to
-    route in the kernel, a routing launch comes first). The C++ launcher asks for one_block_size(m)."""
+    every m its buckets serve in any architecture's table (kernels/routing.py one_block_sizes), and 0 for every
+    config: perm / seg written before the GEMM (a routing given to the op, the `route` op's, or m too large to route in
+    the kernel, whose routing launch comes first). The C++ launcher asks for one_block_size(m), or 0."""
     from kernels.routing import one_block_sizes
-    sizes: Dict[int, None] = {}
+    sizes: Dict[int, None] = {0: None}
     for arch in ARCHS:
         lo = 0
         for e in config_table.buckets(table(arch), kernel, family):

@@ -9,7 +9,9 @@ cuBLAS, the unfused ways of writing the routed MLP, and torch.compile of an HF-s
 Cases (bf16, M = 4096 tokens, H = 4096, I = 11008; weights nn.Linear layout, stacked [2, ...] per projection as
 DualExpertSwiGLU stores them):
   dual    masks rand50 / span (one vision run of M/2 tokens) / vision90:
-            fused_ops        ffn(x, w1, w3, w2, mask, u1, u3, u2)
+            fused_ops        ffn(x, w1, w3, w2, mask, u1, u3, u2), routing the mask itself
+            fused_ops, shared routing   the same given routing=fused.route(mask), computed once outside the timing
+                             as a model does for all its layers' routed ops on one mask (target as for fused_ops)
             cuBLAS useful    the useful GEMMs with no routing and no activation: one F.linear of all M rows to the
                              concatenated [W1; W3] ([2I, H]) + one F.linear to W2 (target: fused <= 1.05x this)
             gather+cuBLAS    per expert: index_select rows, F.linear to [W1; W3], silu*mul, F.linear to W2,
@@ -18,7 +20,8 @@ DualExpertSwiGLU stores them):
   single  ffn(x, w1, w3, w2) vs torch.compile of the HF-style MLP down(silu(gate(x)) * up(x)) (target: fused
           <= 0.95x its time), eager HF-style MLP and cuBLAS useful as information.
   memory  peak extra memory of one forward: torch.cuda.max_memory_allocated() during the call minus what was
-          allocated before, minus the output (target <= M*I elements of x's dtype), dual rand50 and single.
+          allocated before, minus the output (target <= M*I elements of x's dtype), dual rand50 (routing the mask,
+          and given its routing) and single.
   bwd     ffn_backward (grad x and every weight grad; it recomputes the forward GEMMs, the schema saves nothing) vs
           the cuBLAS time of the same GEMMs on all M rows, forward recompute included: x·[W1;W3]ᵀ, dY·W2, dYᵀ·h,
           dG·[W1;W3], dGᵀ·x = 16·M·H·I FLOPs (target <= 1.15x), dual rand50 and single; dual rand50 with the text
@@ -74,6 +77,7 @@ MID_MS = (256, 1024, 2048)
 DUAL_MASKS = ("rand50", "span", "vision90")
 
 IMPL_FUSED = "fused_ops"
+IMPL_SHARED = "fused_ops, shared routing"
 IMPL_CUBLAS = "cuBLAS useful"
 IMPL_GATHER = "gather+cuBLAS"
 IMPL_WHERE = "both + where"
@@ -223,24 +227,29 @@ def case_dual(res: Results, opts, ctx):
         mask = make_mask(kind, M, gen)
         ref = ffn_ref(x_chk, ex, mask)
         fused = lambda x, mask=mask: torch.ops.fused.ffn(x, *ex.dual_args(mask))  # noqa: E731
+        routing = torch.ops.fused.route(mask)  # once, as a model does for all its routed ops on the mask
+        shared = lambda x, mask=mask, r=routing: torch.ops.fused.ffn(x, *ex.dual_args(mask), routing=r)  # noqa
         where = lambda x, mask=mask: torch.where(mask[:, None], mlp_eager(x, *ex.v), mlp_eager(x, *ex.t))  # noqa
         rows = {}
-        for impl, fn, note in ((IMPL_FUSED, fused, ""),
+        for impl, fn, note in ((IMPL_FUSED, fused, "routes the mask itself"),
+                               (IMPL_SHARED, shared, "given fused.route(mask), computed once"),
                                (IMPL_GATHER, gather_dual(ex, mask), "indices, [W1;W3] prepared (untimed)"),
                                (IMPL_WHERE, where, "2x the FLOPs")):
             rows[impl] = measure(res, opts, case, impl, fn, xs, flops, note=note,
                                  check=lambda fn=fn: rel_err(poisoned_call(fn, x_chk, out_bytes=M * H * 2), ref))
         if kind == "rand50":
             measure_pdl_off(res, opts, case, fused, xs, flops)
-        f = rows[IMPL_FUSED]
-        paired = paired_ratio(res, opts, case, fused, cub, xs)
-        f["note"] = (f"{paired[0]:.3f}x cuBLAS useful (paired); speedup {ratio(rows[IMPL_GATHER], f):.2f}x vs "
-                     f"gather+cuBLAS, {ratio(rows[IMPL_WHERE], f):.2f}x vs both+where")
-        res.target(f"dual {kind}: ffn time / cuBLAS useful-GEMM time", paired[0], TARGET_DUAL_VS_CUBLAS, True, "x",
-                   rows=[f, r_cub], why=paired_note(ratio(f, r_cub), paired))
+        for impl, fn, how in ((IMPL_FUSED, fused, "the op routes the mask"),
+                              (IMPL_SHARED, shared, "routing shared: fused.route once per forward pass")):
+            f = rows[impl]
+            paired = paired_ratio(res, opts, f"{case} {impl}", fn, cub, xs)
+            f["note"] = (f"{paired[0]:.3f}x cuBLAS useful (paired); speedup {ratio(rows[IMPL_GATHER], f):.2f}x vs "
+                         f"gather+cuBLAS, {ratio(rows[IMPL_WHERE], f):.2f}x vs both+where")
+            res.target(f"dual {kind}, {how}: ffn time / cuBLAS useful-GEMM time", paired[0], TARGET_DUAL_VS_CUBLAS,
+                       True, "x", rows=[f, r_cub], why=paired_note(ratio(f, r_cub), paired))
         if kind == "rand50":
             ctx["mask50"] = mask
-        del ref
+        del ref, routing
     cleanup()
 
 
@@ -299,7 +308,9 @@ def case_memory(res: Results, opts, ctx):  # noqa: ARG001
         mask = make_mask("rand50", M, torch.Generator().manual_seed(0))
     budget = M * I * 2
     log(f"[memory] peak extra bytes of one forward (target <= M*I*2 = {budget / 2**20:.1f} MiB)")
+    routing = torch.ops.fused.route(mask)  # the caller's, allocated before the forward (shared by a model's layers)
     impls = [("dual rand50", IMPL_FUSED, lambda: torch.ops.fused.ffn(x, *ex.dual_args(mask)), True),
+             ("dual rand50", IMPL_SHARED, lambda: torch.ops.fused.ffn(x, *ex.dual_args(mask), routing=routing), True),
              ("single", IMPL_FUSED, lambda: torch.ops.fused.ffn(x, *ex.v), True),
              ("single", IMPL_EAGER, lambda: mlp_eager(x, *ex.v), False),
              ("dual rand50", IMPL_GATHER, lambda: gather_dual(ex, mask)(x), False)]
@@ -313,8 +324,8 @@ def case_memory(res: Results, opts, ctx):  # noqa: ARG001
         except Exception as e:  # noqa: BLE001
             res.error(f"memory {case}/{impl}", e)
             if is_target:
-                res.target(f"memory {case}: peak extra forward memory / (M*I elements)", None, 1.0, True, "x",
-                           why="error")
+                res.target(f"memory {case}, {impl}: peak extra forward memory / (M*I elements)", None, 1.0, True,
+                           "x", why="error")
             continue
         log(f"  memory {case:12s} {impl:16s} extra {extra / 2**20:8.1f} MiB = {extra / budget:.3f} x M*I*2 bytes "
             f"({extra - budget:+,d} B; output {out_bytes / 2**20:.1f} MiB)")
@@ -322,8 +333,8 @@ def case_memory(res: Results, opts, ctx):  # noqa: ARG001
                     err=None, ok=True, error=None, note=f"peak extra {extra / 2**20:.1f} MiB = {extra / budget:.3f}x "
                                                         f"M*I elements")
         if is_target:
-            res.target(f"memory {case}: peak extra forward memory / (M*I elements of bf16)", extra / budget, 1.0,
-                       True, "x", why=f"{extra - budget:+,d} B vs M*I*2" if extra != budget else "")
+            res.target(f"memory {case}, {impl}: peak extra forward memory / (M*I elements of bf16)", extra / budget,
+                       1.0, True, "x", why=f"{extra - budget:+,d} B vs M*I*2" if extra != budget else "")
     cleanup()
 
 

@@ -8,7 +8,9 @@ cuBLAS and the usual unfused ways of writing it.
 
 Cases (bf16, weights nn.Linear [N, K] stacked in one [2, N, K] tensor as DualLinear stores them, no bias):
   fwd     M = K = N = 4096, masks rand50 / all_true / all_false / span (one contiguous vision run of M/2 tokens):
-            fused_ops            linear_dual
+            fused_ops            linear_dual, routing the mask itself
+            fused_ops, shared routing   linear_dual given fused.route(mask), computed once outside the timing, as
+                                 a model does for all its layers' routed ops on one mask ("fused.route": its time)
             cuBLAS 1 GEMM        F.linear(x, weight_v): the same M, N, K as ONE GEMM (the ceiling; target <= 1.1x)
             both + where         both experts over all tokens, torch.where(mask, y_v, y_t) (2x the FLOPs)
             gather+cuBLAS        index_select each expert's rows, F.linear per expert, index_copy_ back
@@ -62,6 +64,8 @@ MID_MS = (256, 1024, 2048)
 MASKS = ("rand50", "all_true", "all_false", "span")
 
 IMPL_FUSED = "fused_ops"
+IMPL_SHARED = "fused_ops, shared routing"
+IMPL_ROUTE = "fused.route"
 IMPL_CUBLAS = "cuBLAS 1 GEMM"
 IMPL_WHERE = "both + where"
 IMPL_GATHER = "gather+cuBLAS"
@@ -94,8 +98,8 @@ def stacked_weights(N, K, dtype):
     return w, w[1], w[0]
 
 
-def fused_fwd(mask, wv, wt):
-    return lambda x: torch.ops.fused.linear_dual(x, mask, wv, wt)
+def fused_fwd(mask, wv, wt, routing=None):
+    return lambda x: torch.ops.fused.linear_dual(x, mask, wv, wt, routing=routing)
 
 
 def gather_fwd(iv, it, wv, wt, N):
@@ -143,7 +147,11 @@ def case_fwd(res: Results, opts):
         mask = make_mask(kind, M, gen)
         iv, it = mask.nonzero().reshape(-1), (~mask).nonzero().reshape(-1)
         ref = ref_fwd(x_chk, mask, wv, wt)
-        impls = [(IMPL_FUSED, fused_fwd(mask, wv, wt), ""),
+        # The mask's routing, computed once as a model does for all its routed ops (fused.route; not timed here,
+        # its own time is the "fused.route" row).
+        routing = torch.ops.fused.route(mask)
+        impls = [(IMPL_FUSED, fused_fwd(mask, wv, wt), "routes the mask itself"),
+                 (IMPL_SHARED, fused_fwd(mask, wv, wt, routing), "given fused.route(mask), computed once"),
                  (IMPL_WHERE, lambda x, mask=mask: torch.where(mask[:, None], F.linear(x, wv), F.linear(x, wt)),
                   "2x the FLOPs"),
                  (IMPL_GATHER, gather_fwd(iv, it, wv, wt, N), "indices precomputed (untimed)")]
@@ -152,13 +160,17 @@ def case_fwd(res: Results, opts):
             rows[impl] = measure(res, opts, case, impl, fn, xs, flops, note=note,
                                  check=lambda fn=fn: rel_err(poisoned_call(fn, x_chk, out_bytes=M * N * 2), ref))
         measure_pdl_off(res, opts, case, impls[0][1], xs, flops)
-        f = rows[IMPL_FUSED]
-        paired = paired_ratio(res, opts, case, impls[0][1], cublas, xs)
-        f["note"] = (f"{paired[0]:.3f}x cuBLAS time (paired); speedup {rows[IMPL_GATHER]['ms'] / f['ms']:.2f}x vs "
-                     f"gather+cuBLAS, {rows[IMPL_WHERE]['ms'] / f['ms']:.2f}x vs both+where")
-        res.target(f"fwd {kind}: linear_dual time / cuBLAS F.linear time (M=K=N={M})", paired[0],
-                   TARGET_FWD_VS_CUBLAS, True, "x", rows=[f, r_cublas], why=paired_note(ratio(f, r_cublas), paired))
-        del ref
+        measure(res, opts, case, IMPL_ROUTE, lambda x, mask=mask: torch.ops.fused.route(mask), xs, 0.0,
+                note="info: the routing alone, once per forward pass for all routed ops on the mask")
+        for impl, fn, how in ((IMPL_FUSED, impls[0][1], "the op routes the mask"),
+                              (IMPL_SHARED, impls[1][1], "routing shared: fused.route once per forward pass")):
+            f = rows[impl]
+            paired = paired_ratio(res, opts, f"{case} {impl}", fn, cublas, xs)
+            f["note"] = (f"{paired[0]:.3f}x cuBLAS time (paired); speedup {rows[IMPL_GATHER]['ms'] / f['ms']:.2f}x "
+                         f"vs gather+cuBLAS, {rows[IMPL_WHERE]['ms'] / f['ms']:.2f}x vs both+where")
+            res.target(f"fwd {kind}, {how}: linear_dual time / cuBLAS F.linear time (M=K=N={M})", paired[0],
+                       TARGET_FWD_VS_CUBLAS, True, "x", rows=[f, r_cublas], why=paired_note(ratio(f, r_cublas), paired))
+        del ref, routing
     del xs, w
     cleanup()
 

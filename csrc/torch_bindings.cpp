@@ -24,29 +24,36 @@ TORCH_LIBRARY(fused, m) {
   // rope_bwd of both gradients of rope_fwd_qk in one launch.
   m.def("rope_bwd_qk(Tensor grad_q, Tensor grad_k, Tensor freqs, str tensor_format=\"sbhd\", bool interleaved=False, "
         "Tensor? cu_seqlens=None, Tensor? start_positions=None, int cp_size=1, int cp_rank=0) -> (Tensor, Tensor)");
+  // The routing of a bool mask (any shape; M = its number of elements), int32 [shared_routing_size(M)]
+  // (csrc/ops/routed_gemm.h): computed once, it serves as the `routing` argument of every routed op (linear_dual, ffn
+  // and their backward) on the same mask, which then route nothing. Its contents are trusted on CUDA and checked
+  // against the mask on the CPU.
+  m.def("route(Tensor mask) -> Tensor");
   // Modality-routed linear (docs/design.md): out[i] = x[i]·weight_vᵀ + bias_v if mask[i] else x[i]·weight_tᵀ + bias_t.
+  // routing: route(mask) (or linear_dual_forward's routing of mask), or None (the op routes mask itself).
   m.def("linear_dual(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
-        "Tensor? bias_t=None, bool allow_tf32=False) -> Tensor");
+        "Tensor? bias_t=None, bool allow_tf32=False, Tensor? routing=None) -> Tensor");
   // linear_dual and the routing of mask it used (int32 [M + 264], csrc/ops/linear_dual.h), for linear_dual_backward:
-  // what autograd's forward calls and saves.
+  // what autograd's forward calls and saves (given a routing, it calls linear_dual and saves that).
   m.def("linear_dual_forward(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
         "Tensor? bias_t=None, bool allow_tf32=False) -> (Tensor, Tensor)");
   // Gradients of linear_dual: (grad_x, grad_weight_v, grad_weight_t, grad_bias_v, grad_bias_t). output_mask says
   // which to compute, in that order; the others are returned undefined (None), and their work is skipped. routing:
-  // linear_dual_forward's routing of the same mask (then nothing is routed again; checked against the mask on the CPU
-  // only), or None.
+  // linear_dual_forward's or route()'s routing of the same mask (then nothing is routed again; checked against the
+  // mask on the CPU only), or None.
   m.def("linear_dual_backward(Tensor grad_out, Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, "
         "bool allow_tf32=False, bool[5] output_mask=[True, True, True, True, True], Tensor? routing=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // SwiGLU MLP w2(silu(x·w1ᵀ) ⊙ x·w3ᵀ); dual expert (mask, u*): token i uses w* if mask[i] (vision) else u* (text).
+  // routing (dual expert only): route(mask), or None (the op routes mask itself).
   m.def("ffn(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, Tensor? u3=None, "
-        "Tensor? u2=None, bool allow_tf32=False) -> Tensor");
+        "Tensor? u2=None, bool allow_tf32=False, Tensor? routing=None) -> Tensor");
   // Gradients of ffn, recomputing gate/up from x: (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2), the
   // u gradients None for the single expert. output_mask says which to compute, in that order; the others are
-  // returned undefined (None), and their work is skipped.
+  // returned undefined (None), and their work is skipped. routing: as for ffn.
   m.def("ffn_backward(Tensor grad_out, Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, "
         "Tensor? u3=None, Tensor? u2=None, bool allow_tf32=False, "
-        "bool[7] output_mask=[True, True, True, True, True, True, True]) "
+        "bool[7] output_mask=[True, True, True, True, True, True, True], Tensor? routing=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Turns the input checks that read device memory (cu_seqlens, start_positions: a host sync) on or off;
   // returns the previous setting. They are always skipped during CUDA graph capture.

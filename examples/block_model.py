@@ -1,9 +1,10 @@
 """The model every deployment path exports: a small transformer-style block on the fused ops, and its float64
 reference written in plain PyTorch.
 
-    q   = rope(DualLinear(x, mask))          torch.ops.fused.linear_dual, then torch.ops.fused.rope_fwd ("bshd")
+    r   = route(mask)                        torch.ops.fused.route: the mask's routing, shared by both routed ops
+    q   = rope(DualLinear(x, mask, r))       torch.ops.fused.linear_dual, then torch.ops.fused.rope_fwd ("bshd")
     y   = x + q
-    y   = y + DualExpertSwiGLU(y, mask)      torch.ops.fused.ffn, dual expert (routed by mask)
+    y   = y + DualExpertSwiGLU(y, mask, r)   torch.ops.fused.ffn, dual expert (routed by mask)
     out = y + FusedSwiGLU(y)                 torch.ops.fused.ffn, single expert
 
 (A "query projection with RoPE" stands in for attention, which is not one of the ops.) Used by
@@ -39,10 +40,11 @@ class FusedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         b, s, hidden = x.shape
-        q = self.proj(x, mask).view(b, s, self.heads, self.head_dim)
+        routing = fused_ops.route(mask)  # once for the routed ops below (a model: for all its layers)
+        q = self.proj(x, mask, routing).view(b, s, self.heads, self.head_dim)
         q = torch.ops.fused.rope_fwd(q, freqs, "bshd")
         y = x + q.view(b, s, hidden)
-        y = y + self.mlp_dual(y, mask)
+        y = y + self.mlp_dual(y, mask, routing)
         return y + self.mlp(y)
 
 

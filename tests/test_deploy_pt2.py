@@ -24,7 +24,8 @@ def compile_for_real(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-FUSED_TARGETS = {"fused.linear_dual.default": 1, "fused.rope_fwd.default": 1, "fused.ffn.default": 2}
+FUSED_TARGETS = {"fused.route.default": 1, "fused.linear_dual.default": 1, "fused.rope_fwd.default": 1,
+                 "fused.ffn.default": 2}
 
 
 def block_and_inputs(device, **kw):

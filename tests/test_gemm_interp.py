@@ -945,7 +945,7 @@ def test_linear_split_last_round(variant, N, split):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["random", "all_true", "all_false", "span"])
-@pytest.mark.parametrize("route_block, align", [(0, ALIGN), (64, ALIGN), (64, 1)])
+@pytest.mark.parametrize("route_block, align", [(0, ALIGN), (64, ALIGN), (0, 1), (64, 1)])
 def test_swiglu_gather_tma(dtype, kind, route_block, align):
     """x rows gathered by pointer loads inside the TMA gate/up GEMM; h expert-ordered. route_block: as in
     test_linear_gather_tma, also on the ffn forward's unaligned routing (align = 1)."""

@@ -135,7 +135,8 @@ def test_manifest_compiles_every_config_for_its_architectures():
                                            ("routed_swiglu_gather_tma_kernel", 1)])
 def test_gather_kernels_compile_the_route_block_of_every_m(kernel, align):
     """The gather TMA kernels route a deferred routing themselves: for every m a bucket serves up to the one-block
-    limit, the launcher asks for route=one_block_size(m) with that bucket's config (csrc/ops/routed_gemm.cpp)."""
+    limit, the launcher asks for route=one_block_size(m) with that bucket's config (csrc/ops/routed_gemm.cpp), and
+    for route=0 at every m when the op was given a routing (the route op's)."""
     from kernels.routing import ONE_BLOCK, one_block_size
     keys = {(v.key["dtype"], v.key["prec"], v.key["cfg"], v.key["route"], v.key["align"]) for v in manifest.variants()
             if v.name == kernel}
@@ -148,8 +149,9 @@ def test_gather_kernels_compile_the_route_block_of_every_m(kernel, align):
             e = ct.pick(table, kernel, fam, m)
             if e.get("off"):
                 continue
-            want = (dt, prec, ct.cfg_str(e), one_block_size(m), align)
-            assert want in keys, f"{kernel}: no variant {want} for m = {m}"
+            for route in (one_block_size(m), 0):
+                want = (dt, prec, ct.cfg_str(e), route, align)
+                assert want in keys, f"{kernel}: no variant {want} for m = {m}"
 
 
 def test_variant_meta_matches_its_config():

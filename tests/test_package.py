@@ -78,7 +78,7 @@ def test_cuda_path_without_gpu_raises_cleanly():
 
 # Every op of the library that takes tensors, and how the no-JIT test below runs each one.
 EVERY_OP = {"rope_fwd", "rope_bwd", "rope_fwd_", "rope_fwd_qk", "rope_bwd_qk", "linear_dual", "linear_dual_forward",
-            "linear_dual_backward", "ffn", "ffn_backward"}
+            "linear_dual_backward", "ffn", "ffn_backward", "route"}
 
 
 def test_no_jit_test_covers_every_op():
@@ -158,6 +158,15 @@ def test_cuda_ops_run_without_triton_or_jit(tmp_path):
                               [True, True, True, True, False, True, True, True], tol)
                 differentiate("ffn single", ("ffn", "ffn_backward"), ops.ffn, ffn_reference,
                               [x, w(320, 256), w(320, 256), w(256, 320)], [True] * 4, tol)
+                # a routing computed once and given to both routed ops (their kernels then read it; gather GEMMs
+                # compiled without the in-kernel routing)
+                routing = ops.route(mask)
+                differentiate("linear_dual routed", ("route",),
+                              lambda *a: ops.linear_dual(*a, routing=routing), linear_dual_reference, lin,
+                              [True, False, True, True, True, True], tol)
+                differentiate("ffn dual routed", ("route",), lambda *a: ops.ffn(*a, routing=routing), ffn_reference,
+                              [x, w(320, 256), w(320, 256), w(256, 320), mask, w(320, 256), w(320, 256), w(256, 320)],
+                              [True, True, True, True, False, True, True, True], tol)
             torch.cuda.synchronize(dev)
         assert sys.modules["triton"] is None, "triton was imported"
         print("RAN", sorted(ran))

@@ -18,15 +18,19 @@ struct FfnGeometry {
 };
 
 // Shapes, dtypes, devices and the single/dual-expert argument rules (no data read; also run by the Meta kernels).
+// routing: the dual expert's only, fused.route(mask)'s (check_routing in csrc/ops/routed_gemm.h).
 FfnGeometry check_ffn_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
                              const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
-                             const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2);
+                             const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2,
+                             const std::optional<at::Tensor>& routing);
 FfnGeometry check_ffn_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w1,
                                       const at::Tensor& w3, const at::Tensor& w2,
                                       const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
-                                      const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2);
+                                      const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2,
+                                      const std::optional<at::Tensor>& routing);
 
-// The argument list shared by ffn and ffn_backward after their leading tensors.
+// The argument list shared by ffn and ffn_backward after their leading tensors (their last argument, routing, follows
+// ffn_backward's output_mask).
 #define FUSED_FFN_ARGS                                                                                             \
   const at::Tensor &w1, const at::Tensor &w3, const at::Tensor &w2, const std::optional<at::Tensor>&mask,         \
       const std::optional<at::Tensor>&u1, const std::optional<at::Tensor>&u3, const std::optional<at::Tensor>&u2, \
@@ -38,15 +42,17 @@ using FfnGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::
 // expert's weights, an input that needs no gradient). The last three are ignored for the single expert.
 using FfnOutputMask = std::array<bool, 7>;
 // The ops' signatures (csrc/torch_bindings.cpp), for calls through the dispatcher: .typed<FfnOp>().
-using FfnOp = at::Tensor(const at::Tensor& x, FUSED_FFN_ARGS);
+using FfnOp = at::Tensor(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing);
 using FfnBackwardOp = FfnGrads(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS,
-                               FfnOutputMask output_mask);
+                               FfnOutputMask output_mask, const std::optional<at::Tensor>& routing);
 
 // CPU: the ATen reference (each token only through its own expert; math in fp32, fp64 for fp64 inputs).
-at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS);
-FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask);
+at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing);
+FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask,
+                          const std::optional<at::Tensor>& routing);
 // CUDA: routing + the routed GEMM kernels (csrc/ops/routed_gemm.h).
-at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS);
-FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask);
+at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing);
+FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask,
+                           const std::optional<at::Tensor>& routing);
 
 }  // namespace fused

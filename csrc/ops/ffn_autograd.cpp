@@ -1,5 +1,5 @@
 // Autograd of ffn, in C++ so gradients flow from Python, TorchScript and libtorch alike. The forward saves only its
-// inputs (the backward recomputes gate and up: see ffn_cuda.cpp); the backward calls the public fused::ffn_backward
+// inputs and the routing given (the backward recomputes gate and up: see ffn_cuda.cpp); the backward calls the public fused::ffn_backward
 // op through the dispatcher. ffn_backward itself is not differentiable (no double backward): its Autograd kernel
 // raises if a gradient is asked through it.
 #include <torch/autograd.h>
@@ -18,13 +18,14 @@ OptT opt(const Tensor& t) { return t.defined() ? OptT(t) : std::nullopt; }
 
 struct FfnFunction : public torch::autograd::Function<FfnFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
-                        const OptT& mask, const OptT& u1, const OptT& u3, const OptT& u2, bool allow_tf32) {
+                        const OptT& mask, const OptT& u1, const OptT& u3, const OptT& u2, bool allow_tf32,
+                        const OptT& routing) {
     auto value = [](const OptT& t) { return fused::present(t) ? *t : Tensor(); };
-    ctx->save_for_backward({x, w1, w3, w2, value(mask), value(u1), value(u3), value(u2)});
+    ctx->save_for_backward({x, w1, w3, w2, value(mask), value(u1), value(u3), value(u2), value(routing)});
     ctx->saved_data["allow_tf32"] = allow_tf32;
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").typed<fused::FfnOp>();
-    return op.call(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
+    return op.call(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -40,15 +41,15 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
                                        dual && need(7)};
     auto [gx, gw1, gw3, gw2, gu1, gu3, gu2] = op.call(grads[0], s[0], s[1], s[2], s[3], opt(s[4]), opt(s[5]),
                                                       opt(s[6]), opt(s[7]), ctx->saved_data["allow_tf32"].toBool(),
-                                                      want);
-    // Inputs: x, w1, w3, w2, mask, u1, u3, u2, allow_tf32.
-    return {gx, gw1, gw3, gw2, Tensor() /* mask */, gu1, gu3, gu2, Tensor() /* allow_tf32 */};
+                                                      want, opt(s[8]));
+    // Inputs: x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing.
+    return {gx, gw1, gw3, gw2, Tensor() /* mask */, gu1, gu3, gu2, Tensor() /* allow_tf32 */, Tensor() /* routing */};
   }
 };
 
 Tensor ffn(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2, const OptT& mask, const OptT& u1,
-           const OptT& u3, const OptT& u2, bool allow_tf32) {
-  return FfnFunction::apply(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
+           const OptT& u3, const OptT& u2, bool allow_tf32, const OptT& routing) {
+  return FfnFunction::apply(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing);
 }
 }  // namespace
 

@@ -10,7 +10,8 @@ constexpr const char* kOp = "ffn";
 
 FfnGeometry check_ffn_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
                              const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
-                             const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2) {
+                             const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2,
+                             const std::optional<at::Tensor>& routing) {
   TORCH_CHECK(x.dim() >= 1, kOp, ": x must have at least one dimension [..., H], got a scalar");
   check_routed_dtype(x, kOp, "x");
   FfnGeometry g{};
@@ -46,14 +47,18 @@ FfnGeometry check_ffn_inputs(const at::Tensor& x, const at::Tensor& w1, const at
   }
   g.M = 1;
   for (int64_t i = 0; i + 1 < x.dim(); ++i) g.M *= x.size(i);
+  TORCH_CHECK(!present(routing) || g.dual, kOp, ": routing is given but u1, u3, u2 are not: only the dual-expert ffn "
+              "is routed (routing = fused.route(mask))");
+  check_routing(routing, g.M, x, kOp, /*forward_routing=*/false);
   return g;
 }
 
 FfnGeometry check_ffn_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& w1,
                                       const at::Tensor& w3, const at::Tensor& w2,
                                       const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
-                                      const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2) {
-  FfnGeometry g = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2);
+                                      const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2,
+                                      const std::optional<at::Tensor>& routing) {
+  FfnGeometry g = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2, routing);
   check_like(grad_out, "grad_out", x, "x", kOp);
   TORCH_CHECK(grad_out.sizes() == x.sizes(), kOp, ": grad_out must have the output's shape (that of x) ", x.sizes(),
               ", got ", grad_out.sizes());

@@ -34,8 +34,9 @@ int64_t count(const Expert& e, int64_t M) { return e.rows.defined() ? e.rows.num
 
 }  // namespace
 
-at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS) {
-  const FfnGeometry g = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2);
+at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing) {
+  const FfnGeometry g = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2, routing);
+  if (present(routing)) check_routing_of_mask(*routing, *mask, "ffn");  // the CPU routes from the mask
   const auto ct = compute_type(x.scalar_type());
   const at::Tensor xr = x.reshape({g.M, g.H}).to(ct);
   at::Tensor out = at::zeros({g.M, g.H}, x.options().dtype(ct));
@@ -50,8 +51,10 @@ at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS) {
   return out.to(x.scalar_type()).reshape(x.sizes());
 }
 
-FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask) {
-  const FfnGeometry g = check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2);
+FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask,
+                          const std::optional<at::Tensor>& routing) {
+  const FfnGeometry g = check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2, routing);
+  if (present(routing)) check_routing_of_mask(*routing, *mask, "ffn");
   const auto dt = x.scalar_type();
   const auto ct = compute_type(dt);
   const auto copt = x.options().dtype(ct);

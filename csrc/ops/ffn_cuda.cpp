@@ -4,12 +4,13 @@
 //   expert: none on the TMA path, else perm = arange) ->
 //   h = routed_swiglu(x) into an expert-ordered buffer -> out = routed_linear(h, w2) scattered back.
 //   TMA (sm_90, H and I multiples of 16 bytes, a TMA swiglu for the dtype/precision): an unaligned routing (no
-//   padding rows), so h is exactly [M, I], the only buffer of the size of the intermediate. Where x's rows are
+//   padding rows), so h is exactly [M, I], the only buffer of the size of the intermediate. A routing given (the
+//   route op's, shared by the model's routed ops) is read, not recomputed; its unaligned section. Where x's rows are
 //   gathered before the gate/up GEMM (dual expert above the decode sizes; docs/perf.md), they go into out's storage:
 //   out [M, H] is written only by the down projection, after the gate/up GEMM has read them (stream order; with
 //   programmatic dependent launch, the down kernel's griddepcontrol.wait). Peak extra memory: M * I elements plus
-//   perm / seg (4 bytes per token). A single expert whose x TMA reads in place has no routing (route_identity): h
-//   is the only allocation.
+//   perm / seg (4 bytes per token) when the op routes the mask itself, M * I elements given a routing. A single
+//   expert whose x TMA reads in place has no routing (route_identity): h is the only allocation.
 //   Pointer kernels otherwise (x gathered through perm inside the swiglu kernel; h [M_pad, I] on the aligned
 //   routing they need).
 //
@@ -82,9 +83,9 @@ void swiglu_backward(const routed::Gemm& g, const at::Tensor& gate, const at::Te
 }
 }  // namespace
 
-at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS) {
+at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing) {
   check_all_cuda(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
-  const FfnGeometry geo = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2);
+  const FfnGeometry geo = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2, routing);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({geo.M, geo.H}, x.options());
   if (geo.M == 0 || geo.H == 0) return out.view(x.sizes());
@@ -98,9 +99,10 @@ at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS) {
   std::optional<NoProgrammaticLaunch> no_pdl;
   if (geo.dual && geo.M > kDualPdlMaxRows) no_pdl.emplace();
   const at::Tensor xr = as_rows(x);
-  // A single expert on the TMA path whose x TMA reads in place needs no routing at all: h is then the forward's only
-  // allocation.
-  const routed::Routing r = geo.dual                              ? routed::route(*mask, /*aligned=*/!tma)
+  // A single expert on the TMA path whose x TMA reads in place needs no routing at all, nor does a dual expert given
+  // one (the routing section its path reads): h is then the forward's only allocation.
+  const routed::Routing r = geo.dual ? (present(routing) ? routed::routing_of(*routing, geo.M, /*aligned=*/!tma)
+                                                         : routed::route(*mask, /*aligned=*/!tma))
                             : (tma && routed::tma_in_place(xr)) ? routed::route_identity(geo.M)
                                                                 : routed::route_single(geo.M, x, /*aligned=*/!tma);
   Projections p = projections(geo, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
@@ -114,10 +116,10 @@ at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS) {
 }
 
 FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS,
-                           FfnOutputMask output_mask) {
+                           FfnOutputMask output_mask, const std::optional<at::Tensor>& routing) {
   check_all_cuda(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
   check_cuda(grad_out, "grad_out", kOp);
-  const FfnGeometry geo = check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2);
+  const FfnGeometry geo = check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2, routing);
   c10::cuda::CUDAGuard guard(x.device());
   const auto opt = x.options();
   // Per expert e (0 = text, 1 = vision; single: 0 only): grad of the gate, up and down weights where asked for
@@ -145,7 +147,9 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
   }
 
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
-  const routed::Routing r = geo.dual ? routed::route(*mask) : routed::route_single(geo.M, x);
+  const routed::Routing r = !geo.dual           ? routed::route_single(geo.M, x)
+                            : present(routing) ? routed::routing_of(*routing, geo.M)
+                                               : routed::route(*mask);
   Projections p = projections(geo, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
   const bool tma = g.tma_usable({geo.H, geo.I}, /*swiglu=*/false);
   const at::Tensor xr = as_rows(x), dyr = as_rows(grad_out);

@@ -6,15 +6,16 @@
 namespace {
 using at::Tensor;
 
-Tensor fwd(const Tensor& x, FUSED_FFN_ARGS) {
+Tensor fwd(const Tensor& x, FUSED_FFN_ARGS, const std::optional<Tensor>& routing) {
   (void)allow_tf32;
-  fused::check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2);
+  fused::check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2, routing);
   return at::empty(x.sizes(), x.options());
 }
 
-fused::FfnGrads bwd(const Tensor& grad_out, const Tensor& x, FUSED_FFN_ARGS, fused::FfnOutputMask output_mask) {
+fused::FfnGrads bwd(const Tensor& grad_out, const Tensor& x, FUSED_FFN_ARGS, fused::FfnOutputMask output_mask,
+                    const std::optional<Tensor>& routing) {
   (void)allow_tf32;
-  const auto g = fused::check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2);
+  const auto g = fused::check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2, routing);
   const auto opt = x.options();
   const auto out = [&](int i, at::IntArrayRef size) {
     return output_mask[i] && (i < 4 || g.dual) ? at::empty(size, opt) : Tensor();

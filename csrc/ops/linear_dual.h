@@ -30,12 +30,10 @@ LinearDualGeometry check_linear_dual_backward_inputs(const at::Tensor& grad_out,
 // 128: the row list in expert order, text rows (mask false) from 0 and vision rows from start_1 = roundup(count_0,
 // 128), each in token order and padded with -1 to a multiple of 128, -1 up to M_pad (kernels/GEMM.md, routing); the
 // rest is unused: routed::routing_buffer_size(M) entries (csrc/ops/routed_gemm.h). The length pins M, so a routing of
-// another number of tokens is rejected.
-// linear_dual_backward's `routing` argument: a contiguous 1-D int32 tensor of routed::routing_buffer_size(M)
-// elements on x's device. Its contents are checked against the mask on the CPU only (reading them on the GPU would sync the
-// host): on CUDA it is trusted to be linear_dual_forward's routing of this mask, as autograd passes it.
-void check_linear_dual_routing(const std::optional<at::Tensor>& routing, int64_t M, const at::Tensor& x);
-// The routing of `mask` computed with ATen on the CPU (the reference of the CUDA routing kernels' result).
+// another number of tokens is rejected. linear_dual_backward's `routing` argument takes it; every linear_dual op's
+// `routing` also takes the `route` op's shared routing, whose first section it is (csrc/ops/routed_gemm.h,
+// check_routing).
+// This routing of `mask` computed with ATen on the CPU (the reference of the CUDA routing kernels' result).
 at::Tensor linear_dual_routing_cpu(const at::Tensor& mask);
 
 using LinearDualGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
@@ -46,7 +44,8 @@ using LinearDualOutputMask = std::array<bool, 5>;
 // The ops' signatures (csrc/torch_bindings.cpp), for calls through the dispatcher: .typed<LinearDualOp>().
 using LinearDualOp = at::Tensor(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                                 const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
-                                const std::optional<at::Tensor>& bias_t, bool allow_tf32);
+                                const std::optional<at::Tensor>& bias_t, bool allow_tf32,
+                                const std::optional<at::Tensor>& routing);
 // linear_dual_forward: (out, routing), the routing for linear_dual_backward (what autograd saves).
 using LinearDualForwardOp = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v, const at::Tensor& weight_t,
@@ -59,7 +58,8 @@ using LinearDualBackwardOp = LinearDualGrads(const at::Tensor& grad_out, const a
 // CPU: the ATen reference (each token only through its own expert; math in fp32, fp64 for fp64 inputs).
 at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
-                           const std::optional<at::Tensor>& bias_t, bool allow_tf32);
+                           const std::optional<at::Tensor>& bias_t, bool allow_tf32,
+                           const std::optional<at::Tensor>& routing);
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cpu(const at::Tensor& x, const at::Tensor& mask,
                                                            const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                            const std::optional<at::Tensor>& bias_v,
@@ -70,7 +70,8 @@ LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::T
 // CUDA: routing + the routed GEMM kernels (csrc/ops/routed_gemm.h).
 at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                             const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
-                            const std::optional<at::Tensor>& bias_t, bool allow_tf32);
+                            const std::optional<at::Tensor>& bias_t, bool allow_tf32,
+                            const std::optional<at::Tensor>& routing);
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cuda(const at::Tensor& x, const at::Tensor& mask,
                                                             const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                             const std::optional<at::Tensor>& bias_v,

@@ -47,18 +47,4 @@ LinearDualGeometry check_linear_dual_backward_inputs(const at::Tensor& grad_out,
   return g;
 }
 
-void check_linear_dual_routing(const std::optional<at::Tensor>& routing, int64_t M, const at::Tensor& x) {
-  if (!present(routing)) return;
-  const at::Tensor& r = *routing;
-  // sym_* queries: the Meta kernels run this on tensors of symbolic size too (torch.compile, dynamic shapes).
-  TORCH_CHECK(r.scalar_type() == at::kInt && r.dim() == 1, kOp,
-              ": routing must be a 1-D int32 tensor (the second output of linear_dual_forward), got ", r.scalar_type(),
-              " of shape ", r.sym_sizes());
-  TORCH_CHECK(r.device() == x.device(), kOp, ": routing must be on x's device ", x.device(), ", got ", r.device());
-  const int64_t want = routed::routing_buffer_size(M);
-  TORCH_SYM_CHECK(r.sym_size(0).sym_eq(want), kOp, ": routing must have ", want, " elements for a mask of ", M,
-                  " tokens, got ", r.sym_size(0), " (not the routing of this mask)");
-  TORCH_SYM_CHECK(r.sym_stride(0).sym_eq(1), kOp, ": routing must be contiguous, got stride ", r.sym_stride(0));
-}
-
 }  // namespace fused

@@ -21,8 +21,11 @@ struct Expert {
 
 at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
-                           const std::optional<at::Tensor>& bias_t, bool /*allow_tf32*/) {
+                           const std::optional<at::Tensor>& bias_t, bool /*allow_tf32*/,
+                           const std::optional<at::Tensor>& routing) {
   const LinearDualGeometry g = check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t);
+  check_routing(routing, g.M, x, "linear_dual", /*forward_routing=*/true);
+  if (present(routing)) check_routing_of_mask(*routing, mask, "linear_dual");  // the CPU routes from the mask
   const auto ct = compute_type(x.scalar_type());
   const at::Tensor xr = x.reshape({g.M, g.K}).to(ct);
   const at::Tensor m = mask.reshape({g.M});
@@ -55,7 +58,7 @@ std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cpu(const at::Tensor& x, 
                                                            const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                            const std::optional<at::Tensor>& bias_v,
                                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32) {
-  at::Tensor out = linear_dual_cpu(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32);
+  at::Tensor out = linear_dual_cpu(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, std::nullopt);
   return {out, linear_dual_routing_cpu(mask)};
 }
 
@@ -63,16 +66,8 @@ LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::T
                                          const at::Tensor& weight_v, const at::Tensor& weight_t, bool /*allow_tf32*/,
                                          LinearDualOutputMask output_mask, const std::optional<at::Tensor>& routing) {
   const LinearDualGeometry g = check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
-  check_linear_dual_routing(routing, g.M, x);
-  if (present(routing)) {  // the CPU routes from the mask; a routing given must be the mask's (seg and perm)
-    const at::Tensor want = linear_dual_routing_cpu(mask);
-    const auto used = [&](const at::Tensor& t) {
-      return at::cat({t.narrow(0, 0, 5), t.narrow(0, routed::kSegSlots, routed::aligned_rows(g.M))});
-    };
-    TORCH_CHECK(used(*routing).equal(used(want)),
-                "linear_dual: routing is not the routing of this mask (pass the routing that linear_dual_forward "
-                "returned for the same mask)");
-  }
+  check_routing(routing, g.M, x, "linear_dual", /*forward_routing=*/true);
+  if (present(routing)) check_routing_of_mask(*routing, mask, "linear_dual");  // the CPU routes from the mask
   const auto dt = x.scalar_type();
   const auto ct = compute_type(dt);
   const auto copt = x.options().dtype(ct);

@@ -23,10 +23,12 @@ constexpr const char* kOp = "linear_dual";
 
 at::Tensor vec(const at::Tensor& b) { return b.is_contiguous() ? b : b.contiguous(); }
 
-// The forward; `routing` also returns the routing it used (written in full, for linear_dual_backward).
+// The forward, on `given` (a routing of mask: check_routing) or routing mask itself; `routing` also returns the
+// routing it used (written in full, for linear_dual_backward).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
-                                           const std::optional<at::Tensor>& bias_t, bool allow_tf32, bool routing) {
+                                           const std::optional<at::Tensor>& bias_t, bool allow_tf32,
+                                           const std::optional<at::Tensor>& given, bool routing) {
   check_cuda(x, "x", kOp);
   check_cuda(mask, "mask", kOp);
   check_cuda(weight_v, "weight_v", kOp);
@@ -34,11 +36,13 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
   if (present(bias_v)) check_cuda(*bias_v, "bias_v", kOp);
   if (present(bias_t)) check_cuda(*bias_t, "bias_t", kOp);
   const LinearDualGeometry geo = check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t);
+  check_routing(given, geo.M, x, kOp, /*forward_routing=*/true);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({geo.M, geo.N}, x.options());
   if ((geo.M == 0 || geo.N == 0) && !routing) return {out.view(with_last(x, geo.N)), at::Tensor()};
 
-  const routed::Routing r = routed::route(mask);
+  // A routing given: the gather GEMM reads it and routes nothing (docs/perf.md v23: 2% of the forward at 4096 tokens).
+  const routed::Routing r = present(given) ? routed::routing_of(*given, geo.M) : routed::route(mask);
   if (geo.M == 0 || geo.N == 0) {  // nothing to compute; the routing asked for is still written
     routed::ensure_routed(r);
     return {out.view(with_last(x, geo.N)), r.buffer};
@@ -60,15 +64,16 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
 
 at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                             const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
-                            const std::optional<at::Tensor>& bias_t, bool allow_tf32) {
-  return std::get<0>(forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, /*routing=*/false));
+                            const std::optional<at::Tensor>& bias_t, bool allow_tf32,
+                            const std::optional<at::Tensor>& routing) {
+  return std::get<0>(forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing, /*routing=*/false));
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cuda(const at::Tensor& x, const at::Tensor& mask,
                                                             const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                             const std::optional<at::Tensor>& bias_v,
                                                             const std::optional<at::Tensor>& bias_t, bool allow_tf32) {
-  return forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, /*routing=*/true);
+  return forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, std::nullopt, /*routing=*/true);
 }
 
 LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
@@ -80,7 +85,7 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   check_cuda(weight_v, "weight_v", kOp);
   check_cuda(weight_t, "weight_t", kOp);
   const LinearDualGeometry geo = check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
-  check_linear_dual_routing(routing, geo.M, x);
+  check_routing(routing, geo.M, x, kOp, /*forward_routing=*/true);
   c10::cuda::CUDAGuard guard(x.device());
   const auto opt = x.options();
   // The outputs asked for (output_mask: grad_x, grad_weight_v, grad_weight_t, grad_bias_v, grad_bias_t); the others
@@ -108,7 +113,7 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   if (!want_gx && !any_gw && !any_gb) return result();
 
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
-  // The forward's routing when given (what autograd passes): no routing launch here.
+  // The forward's routing (what autograd passes) or route()'s when given: no routing launch here.
   const routed::Routing r = present(routing) ? routed::routing_of(*routing, geo.M) : routed::route(mask);
   routed::Experts w(weight_t, weight_v, /*single=*/false);
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);

@@ -8,8 +8,10 @@ namespace {
 using at::Tensor;
 
 Tensor fwd(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Tensor& weight_t,
-           const std::optional<Tensor>& bias_v, const std::optional<Tensor>& bias_t, bool /*allow_tf32*/) {
+           const std::optional<Tensor>& bias_v, const std::optional<Tensor>& bias_t, bool /*allow_tf32*/,
+           const std::optional<Tensor>& routing) {
   const auto g = fused::check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t);
+  fused::check_routing(routing, g.M, x, "linear_dual", /*forward_routing=*/true);
   return at::empty(fused::with_last(x, g.N), x.options());
 }
 
@@ -25,7 +27,7 @@ fused::LinearDualGrads bwd(const Tensor& grad_out, const Tensor& x, const Tensor
                            const Tensor& weight_t, bool /*allow_tf32*/, fused::LinearDualOutputMask output_mask,
                            const std::optional<Tensor>& routing) {
   const auto g = fused::check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
-  fused::check_linear_dual_routing(routing, g.M, x);
+  fused::check_routing(routing, g.M, x, "linear_dual", /*forward_routing=*/true);
   const auto opt = x.options();
   const auto out = [&](int i, at::IntArrayRef size) { return output_mask[i] ? at::empty(size, opt) : Tensor(); };
   return {out(0, x.sizes()), out(1, {g.N, g.K}), out(2, {g.N, g.K}), out(3, {g.N}), out(4, {g.N})};

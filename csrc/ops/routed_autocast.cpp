@@ -55,19 +55,19 @@ std::pair<OptT, OptT> cast_experts(at::ScalarType dt, const OptT& text, const Op
 
 template <c10::DeviceType D>
 Tensor linear_dual_autocast(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Tensor& weight_t,
-                            const OptT& bias_v, const OptT& bias_t, bool allow_tf32) {
+                            const OptT& bias_v, const OptT& bias_t, bool allow_tf32, const OptT& routing) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(D));
   const at::ScalarType dt = at::autocast::get_autocast_dtype(D);
   const auto [wt, wv] = cast_experts<D>(dt, weight_t, weight_v);
   const auto [bt, bv] = cast_experts<D>(dt, bias_t, bias_v);
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("fused::linear_dual", "").typed<fused::LinearDualOp>();
-  return op.call(at::autocast::cached_cast(dt, x, D), mask, *wv, *wt, bv, bt, allow_tf32);
+  return op.call(at::autocast::cached_cast(dt, x, D), mask, *wv, *wt, bv, bt, allow_tf32, routing);
 }
 
 template <c10::DeviceType D>
 Tensor ffn_autocast(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2, const OptT& mask,
-                    const OptT& u1, const OptT& u3, const OptT& u2, bool allow_tf32) {
+                    const OptT& u1, const OptT& u3, const OptT& u2, bool allow_tf32, const OptT& routing) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(D));
   const at::ScalarType dt = at::autocast::get_autocast_dtype(D);
   // the text expert (u*) is [0] of a stacked projection, the vision (or only) expert (w*) [1]
@@ -75,7 +75,8 @@ Tensor ffn_autocast(const Tensor& x, const Tensor& w1, const Tensor& w3, const T
   const auto [c_u3, c_w3] = cast_experts<D>(dt, u3, w3);
   const auto [c_u2, c_w2] = cast_experts<D>(dt, u2, w2);
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").typed<fused::FfnOp>();
-  return op.call(at::autocast::cached_cast(dt, x, D), *c_w1, *c_w3, *c_w2, mask, c_u1, c_u3, c_u2, allow_tf32);
+  return op.call(at::autocast::cached_cast(dt, x, D), *c_w1, *c_w3, *c_w2, mask, c_u1, c_u3, c_u2, allow_tf32,
+                 routing);
 }
 }  // namespace
 

@@ -31,6 +31,28 @@ void check_cuda(const at::Tensor& t, const char* what, const char* op) {
   TORCH_CHECK(t.is_cuda(), op, ": ", what, " must be a CUDA tensor, got one on ", t.device());
 }
 
+void check_routing(const std::optional<at::Tensor>& routing, int64_t M, const at::Tensor& x, const char* op,
+                   bool forward_routing) {
+  if (!present(routing)) return;
+  const at::Tensor& r = *routing;
+  const char* from = forward_routing ? "fused.route(mask) or linear_dual_forward" : "fused.route(mask)";
+  // sym_* queries: the Meta kernels run this on tensors of symbolic size too (torch.compile, dynamic shapes).
+  TORCH_CHECK(r.scalar_type() == at::kInt && r.dim() == 1, op, ": routing must be a 1-D int32 tensor (the routing of ",
+              from, "), got ", r.scalar_type(), " of shape ", r.sym_sizes());
+  TORCH_CHECK(r.device() == x.device(), op, ": routing must be on x's device ", x.device(), ", got ", r.device());
+  const int64_t shared = routed::shared_routing_size(M), aligned = routed::routing_buffer_size(M);
+  const auto n = r.sym_size(0);
+  if (forward_routing) {
+    TORCH_SYM_CHECK(n.sym_eq(shared).sym_or(n.sym_eq(aligned)), op, ": routing must have ", shared,
+                    " elements (fused.route) or ", aligned, " (linear_dual_forward) for a mask of ", M,
+                    " tokens, got ", n, " (not the routing of this mask)");
+  } else {
+    TORCH_SYM_CHECK(n.sym_eq(shared), op, ": routing must have ", shared, " elements (fused.route) for a mask of ", M,
+                    " tokens, got ", n, " (not the routing of this mask)");
+  }
+  TORCH_SYM_CHECK(r.sym_stride(0).sym_eq(1), op, ": routing must be contiguous, got stride ", r.sym_stride(0));
+}
+
 std::vector<int64_t> with_last(const at::Tensor& x, int64_t last) {
   std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
   s.back() = last;

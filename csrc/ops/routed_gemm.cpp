@@ -130,37 +130,39 @@ void ensure_routed(const Routing& r) {
   r.pending = at::Tensor();
 }
 
-Routing routing_of(const at::Tensor& buffer, int64_t M) {
+Routing routing_of(const at::Tensor& buffer, int64_t M, bool aligned) {
+  const int64_t n = buffer.numel();
   TORCH_INTERNAL_ASSERT(buffer.scalar_type() == at::kInt && buffer.is_contiguous() &&
-                        buffer.numel() == routing_buffer_size(M));
+                        (n == shared_routing_size(M) || (aligned && n == routing_buffer_size(M))));
   Routing r;
   r.M = M;
-  r.M_pad = aligned_rows(M);
+  r.aligned = aligned;
+  r.M_pad = aligned ? aligned_rows(M) : M + kRowTail;
   r.buffer = buffer;
-  r.seg = buffer.narrow(0, 0, 5);
-  r.perm = buffer.narrow(0, kSegSlots, r.M_pad);
+  const int64_t off = aligned ? 0 : unaligned_section(M);
+  r.seg = buffer.narrow(0, off, 5);
+  r.perm = buffer.narrow(0, off + kSegSlots, r.M_pad);
   return r;
 }
 
-Routing route(const at::Tensor& mask, bool aligned) {
+namespace {
+// route() into `buffer` (int32, kSegSlots + M_pad entries at least: seg's slots, then perm). A mask of up to
+// kOneBlock rows is left pending (see Routing).
+Routing route_into(const at::Tensor& m, bool aligned, const at::Tensor& buffer) {
   Routing r;
-  at::Tensor m = mask.reshape({-1}).contiguous();
-  TORCH_INTERNAL_ASSERT(m.scalar_type() == at::kBool && m.is_cuda());
   r.M = m.numel();
   r.aligned = aligned;
   r.M_pad = aligned ? aligned_rows(r.M) : r.M + kRowTail;  // kernels/routing.py: padded_rows
-  const auto iopt = m.options().dtype(at::kInt);
-  // Aligned: linear_dual_forward may return it (its length pins M). Unaligned (the ffn forward, whose memory target
-  // counts every byte beside h): just seg's slots and perm.
-  r.buffer = at::empty({aligned ? routing_buffer_size(r.M) : kSegSlots + r.M_pad}, iopt);
-  r.seg = r.buffer.narrow(0, 0, 5);
-  r.perm = r.buffer.narrow(0, kSegSlots, r.M_pad);
+  TORCH_INTERNAL_ASSERT(buffer.numel() >= kSegSlots + r.M_pad);
+  r.buffer = buffer;
+  r.seg = buffer.narrow(0, 0, 5);
+  r.perm = buffer.narrow(0, kSegSlots, r.M_pad);
   if (one_block_size(r.M) > 0) {  // one program routes it: deferred to the first kernel that reads perm / seg
     r.pending = m;
     return r;
   }
   const int64_t nb = cdiv(r.M, kChunk);
-  at::Tensor counts = at::empty({nb * 2}, iopt);  // freed stream-ordered: reused only by later work on this stream
+  at::Tensor counts = at::empty({nb * 2}, buffer.options());  // freed stream-ordered: reused only by later work here
   KernelArgs c;
   c.ptr(m.data_ptr()).ptr(counts.data_ptr()).i32(r.M);
   launch_on_current_stream("routing_count_kernel", make_key({{"chunk", std::to_string(kChunk)}}), c, grid(nb),
@@ -172,6 +174,33 @@ Routing route(const at::Tensor& mask, bool aligned) {
                            make_key({{"chunk", std::to_string(kChunk)}, {"align", align_str(r)}}), s, grid(nb),
                            counts);
   return r;
+}
+
+at::Tensor flat_mask(const at::Tensor& mask) {
+  at::Tensor m = mask.reshape({-1}).contiguous();
+  TORCH_INTERNAL_ASSERT(m.scalar_type() == at::kBool && m.is_cuda());
+  return m;
+}
+}  // namespace
+
+Routing route(const at::Tensor& mask, bool aligned) {
+  const at::Tensor m = flat_mask(mask);
+  const int64_t M = m.numel();
+  // Aligned: linear_dual_forward may return it (its length pins M). Unaligned (the ffn forward, whose memory target
+  // counts every byte beside h): just seg's slots and perm.
+  const int64_t n = aligned ? routing_buffer_size(M) : kSegSlots + M + kRowTail;
+  return route_into(m, aligned, at::empty({n}, m.options().dtype(at::kInt)));
+}
+
+at::Tensor route_shared(const at::Tensor& mask) {
+  const at::Tensor m = flat_mask(mask);
+  const int64_t M = m.numel();
+  // Every entry defined (-1 where the routing kernels write nothing: seg's unused slots, the aligned perm's unused
+  // tail), so that the op's result is a function of the mask alone, equal to the CPU's: one fill per forward pass.
+  at::Tensor buffer = at::full({shared_routing_size(M)}, -1, m.options().dtype(at::kInt));
+  ensure_routed(route_into(m, /*aligned=*/true, buffer.narrow(0, 0, routing_buffer_size(M))));
+  ensure_routed(route_into(m, /*aligned=*/false, buffer.narrow(0, unaligned_section(M), kSegSlots + M + kRowTail)));
+  return buffer;
 }
 
 Routing route_single(int64_t M, const at::Tensor& like, bool aligned) {

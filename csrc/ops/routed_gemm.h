@@ -27,6 +27,17 @@ void check_like(const at::Tensor& t, const char* what, const at::Tensor& ref, co
 void check_mask(const at::Tensor& mask, const at::Tensor& x, const char* op);
 // A CUDA tensor (the CUDA kernels of the routed ops call this for every tensor argument).
 void check_cuda(const at::Tensor& t, const char* what, const char* op);
+// The `routing` argument of a routed op for a mask of M tokens, when given: a contiguous 1-D int32 tensor on x's device
+// of routed::shared_routing_size(M) elements (the `route` op's result), or with `forward_routing` also of
+// routed::routing_buffer_size(M) (linear_dual_forward's). The length pins M; the contents are checked against the
+// mask on the CPU only (check_routing_of_mask): on CUDA reading them would sync the host, so they are trusted there.
+void check_routing(const std::optional<at::Tensor>& routing, int64_t M, const at::Tensor& x, const char* op,
+                   bool forward_routing);
+// On the CPU: `routing` (checked by check_routing) holds the routing of `mask`, in every entry the kernels read.
+void check_routing_of_mask(const at::Tensor& routing, const at::Tensor& mask, const char* op);
+// The `route` op on the CPU: the shared routing of `mask` computed with ATen (the reference of the CUDA routing),
+// entry for entry (-1 where the routing writes nothing).
+at::Tensor route_cpu(const at::Tensor& mask);
 // x.shape[:-1] + [last]
 std::vector<int64_t> with_last(const at::Tensor& x, int64_t last);
 // The rows of x [..., C] as an [M, C] matrix whose last dimension has unit stride (a view when possible).
@@ -82,9 +93,23 @@ inline int64_t aligned_rows(int64_t M) { return align_up(M) + kAlign; }
 // back to an op is checked by its size; its contents would need a host sync).
 constexpr int64_t kSegSlots = 8;
 inline int64_t routing_buffer_size(int64_t M) { return kSegSlots + M + 2 * kAlign; }
-// The aligned two-expert routing of M rows held in `buffer`: route()'s buffer of the same mask, written (the caller
-// checked its dtype, device and size).
-Routing routing_of(const at::Tensor& buffer, int64_t M);
+// The shared routing of fused::route (the `route` op): one int32 buffer of shared_routing_size(M) entries that holds
+// both routings of a mask, written: the aligned one in routing_buffer_size(M) entries from 0 (the layout of
+// linear_dual_forward's routing), then the unaligned one (the ffn forward's on the TMA path) from
+// unaligned_section(M), a multiple of 4 entries (its perm stays 16-byte aligned): kSegSlots slots (seg and 3 unused),
+// perm of M + kRowTail entries. A model routes its mask once and hands the buffer to every routed op of every layer
+// (their `routing` argument), which then route nothing.
+// (Templates: the Meta kernel of `route` computes them on a symbolic M, c10::SymInt.)
+template <typename Int>
+Int unaligned_section(const Int& M) { return (M + (kSegSlots + 2 * kAlign + 3)) / 4 * 4; }
+template <typename Int>
+Int shared_routing_size(const Int& M) { return unaligned_section(M) + (kSegSlots + kRowTail) + M; }
+// Both routings of `mask` into a new shared routing buffer (one or two routing launches each; no host sync), -1 in
+// every entry they do not write.
+at::Tensor route_shared(const at::Tensor& mask);
+// The routing of M rows held in `buffer`, written: the aligned one of a linear_dual_forward routing or of a shared
+// routing (aligned = true), or the unaligned one of a shared routing (the caller checked its dtype, device and size).
+Routing routing_of(const at::Tensor& buffer, int64_t M, bool aligned = true);
 // One expert: perm = [0, 1, .., M-1, -1, ..] and seg = [0, end, end, M, 0], end = roundup(M, kAlign) (aligned) or
 // M, written by one launch of routing_single_kernel (no host sync); M_pad = max(end, kAlign), or M + kRowTail.
 Routing route_single(int64_t M, const at::Tensor& like, bool aligned = true);

@@ -40,8 +40,8 @@ Tensor linear_dual(const Tensor& x, const Tensor& mask, const Tensor& wv, const 
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fused::linear_dual", "")
                        .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptT&,
-                                     const OptT&, bool)>();
-  return op.call(x, mask, wv, wt, bv, bt, false);
+                                     const OptT&, bool, const OptT&)>();
+  return op.call(x, mask, wv, wt, bv, bt, false, std::nullopt);
 }
 
 Tensor ffn(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2, const OptT& mask, const OptT& u1,
@@ -49,8 +49,8 @@ Tensor ffn(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fused::ffn", "")
                        .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptT&,
-                                     const OptT&, const OptT&, const OptT&, bool)>();
-  return op.call(x, w1, w3, w2, mask, u1, u3, u2, false);
+                                     const OptT&, const OptT&, const OptT&, bool, const OptT&)>();
+  return op.call(x, w1, w3, w2, mask, u1, u3, u2, false, std::nullopt);
 }
 
 // ----------------------------------------------------------------------- the formulas, in ATen (docs/design.md)

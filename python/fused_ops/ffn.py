@@ -34,6 +34,7 @@ def ffn(
     u3: Optional[torch.Tensor] = None,
     u2: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
+    routing: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """SwiGLU MLP `w2(silu(w1 x) * w3 x)`, optionally routed per token between two experts.
 
@@ -57,12 +58,15 @@ def ffn(
         u1, u3, u2: the text expert's gate / up / down weights, shaped like w1 / w3 / w2. Dual only.
         allow_tf32: float32 inputs only: allow TF32 tensor cores in the CUDA kernels (about 1e-3 relative error).
             Default False: exact fp32. torch's global TF32 flag is not consulted. Ignored for 16-bit inputs, on CPU.
+        routing: dual only: `fused_ops.route(mask)`, computed once for all the routed ops on this mask (then this op
+            routes nothing and allocates nothing beside the intermediate), or None: the op routes `mask` itself.
+            See `fused_ops.route`.
     Returns a new contiguous `[..., H]` tensor of x's dtype. The intermediate `silu(x w1ᵀ) * (x w3ᵀ)` is computed in
     fp32 and stored once in x's dtype before the down projection (as an unfused bf16 MLP would).
     Inside `torch.autocast` the floating-point inputs are first cast to the region's dtype, as for
     `torch.nn.functional.linear` (the result then has that dtype; float64 is left alone).
     """
-    return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32)
+    return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -256,12 +260,13 @@ class DualExpertSwiGLU(nn.Module):
                 p[TEXT].copy_(t)
         return mod
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x: `[..., hidden_size]`; mask: bool `[...]` (True = vision token). Returns `[..., hidden_size]`."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, routing: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: `[..., hidden_size]`; mask: bool `[...]` (True = vision token); routing: `fused_ops.route(mask)` or None
+        (see `ffn`). Returns `[..., hidden_size]`."""
         u1, w1 = self.w1.unbind(0)  # views at offsets 0 and I*H of one storage; unbind's backward stacks the grads
         u3, w3 = self.w3.unbind(0)
         u2, w2 = self.w2.unbind(0)
-        return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, self.allow_tf32)
+        return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, self.allow_tf32, routing)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

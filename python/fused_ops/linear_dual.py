@@ -34,6 +34,7 @@ def linear_dual(
     bias_v: Optional[torch.Tensor] = None,
     bias_t: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
+    routing: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Routed linear: each token through the vision expert where `mask` is true, the text expert elsewhere.
 
@@ -56,11 +57,13 @@ def linear_dual(
         allow_tf32: float32 inputs only: let the CUDA kernels use TF32 tensor cores (about 1e-3 relative error).
             Default False: float32 is computed exactly (IEEE fp32). torch's global
             `torch.backends.cuda.matmul.allow_tf32` is NOT consulted. Ignored for 16-bit inputs and on CPU.
+        routing: `fused_ops.route(mask)`, computed once for all the routed ops on this mask (then this op routes
+            nothing), or None: the op routes `mask` itself. See `fused_ops.route`.
     Returns a new contiguous `[..., N]` tensor of x's dtype on x's device (accumulation in fp32, one rounding).
     Inside `torch.autocast` the floating-point inputs are first cast to the region's dtype, as for
     `torch.nn.functional.linear` (the result then has that dtype; float64 is left alone).
     """
-    return torch.ops.fused.linear_dual(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32)
+    return torch.ops.fused.linear_dual(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing)
 
 
 class DualLinear(nn.Module):
@@ -163,11 +166,12 @@ class DualLinear(nn.Module):
                     mod.bias[TEXT].copy_(bt)
         return mod
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x: `[..., in_features]`; mask: bool `[...]` (True = vision token). Returns `[..., out_features]`."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, routing: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: `[..., in_features]`; mask: bool `[...]` (True = vision token); routing: `fused_ops.route(mask)` or
+        None (see `linear_dual`). Returns `[..., out_features]`."""
         w_t, w_v = self.weight.unbind(0)  # views at offsets 0 and N*K of one storage
         b_t, b_v = (None, None) if self.bias is None else self.bias.unbind(0)
-        return torch.ops.fused.linear_dual(x, mask, w_v, w_t, b_v, b_t, self.allow_tf32)
+        return torch.ops.fused.linear_dual(x, mask, w_v, w_t, b_v, b_t, self.allow_tf32, routing)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

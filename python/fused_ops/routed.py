@@ -2,5 +2,6 @@
 `from .routed import *` re-exports them without the package needing to know each module."""
 from .ffn import DualExpertSwiGLU, FusedSwiGLU, ffn
 from .linear_dual import DualLinear, linear_dual
+from .routing import route
 
-__all__ = ["linear_dual", "DualLinear", "ffn", "FusedSwiGLU", "DualExpertSwiGLU"]
+__all__ = ["route", "linear_dual", "DualLinear", "ffn", "FusedSwiGLU", "DualExpertSwiGLU"]
