@@ -59,8 +59,8 @@ at::Tensor route_cpu(const at::Tensor& mask) {
 void check_routing_of_mask(const at::Tensor& routing, const at::Tensor& mask, const char* op) {
   const at::Tensor m = mask.reshape({-1});
   const int64_t M = m.numel();
-  // The entries the kernels read: seg and perm of each routing the buffer holds (the unused slots are not written on
-  // CUDA).
+  // The entries the kernels read: seg and perm of each routing the buffer holds (linear_dual_forward's CUDA routing
+  // leaves the others unwritten).
   const auto used = [&](const at::Tensor& t, bool aligned) {
     const int64_t off = aligned ? 0 : routed::unaligned_section(M);
     const int64_t perm = aligned ? routed::aligned_rows(M) : M + routed::kRowTail;
