@@ -6,14 +6,15 @@ aligned routing (linear_dual_forward's layout) in the first section, the unalign
 Given a routing, every op must return what it returns routing the mask itself, bit for bit (the same kernels read
 the same perm / seg); tests/test_linear_dual_ops.py and tests/test_ffn_ops.py check those results against float64.
 """
-import math
-
 import pytest
 import torch
 
 import fused_ops
 from device_helpers import poison_allocator, sync
 from reference_routed import MASK_KINDS, ffn_reference, linear_dual_reference, make_mask, rel_err, strided_view
+from test_ffn_ops import make_weights as ffn_weights
+from test_linear_dual_ops import make_weights as linear_dual_weights
+from test_linear_dual_ops import routing_reference, split_routing
 
 OPS = torch.ops.fused
 ERR = (RuntimeError, ValueError)
@@ -22,37 +23,28 @@ SEG_SLOTS, ALIGN, ROW_TAIL = 8, 128, 128
 OPCHECKED = ["route"]
 
 
-def up(n, a=ALIGN):
-    return -(-n // a) * a
-
-
 def unaligned_section(M):
-    return up(SEG_SLOTS + M + 2 * ALIGN, 4)
+    return -(-(SEG_SLOTS + M + 2 * ALIGN) // 4) * 4
 
 
 def route_reference(mask):
-    """The entries of route(mask) the kernels read, from the definition: {name: int32 tensor}. Aligned: seg = [0,
-    start_1, end, count_0, count_1], perm of M_pad = (ceil(M / 128) + 1) * 128 entries, text rows in token order
-    from 0, vision rows from start_1 = roundup(count_0, 128), -1 elsewhere. Unaligned: seg = [0, count_0, M, count_0,
-    count_1], perm of M + 128 entries, text rows then vision rows, then -1."""
+    """The entries of route(mask) the kernels read, from the definition: {name: int32 tensor}. Aligned: linear_dual
+    _forward's routing (test_linear_dual_ops.routing_reference). Unaligned: seg = [0, count_0, M, count_0, count_1],
+    perm of M + 128 entries, text rows in token order, then vision rows, then -1."""
     m = mask.reshape(-1).cpu()
     M = m.numel()
     text, vision = (~m).nonzero().flatten().tolist(), m.nonzero().flatten().tolist()
-    start1 = up(len(text))
-    perm_a = [-1] * ((-(-M // ALIGN) + 1) * ALIGN)
-    perm_a[:len(text)] = text
-    perm_a[start1:start1 + len(vision)] = vision
-    perm_u = text + vision + [-1] * ROW_TAIL
+    seg, perm = routing_reference(m)
     as_t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    return {"seg": as_t([0, start1, start1 + up(len(vision)), len(text), len(vision)]), "perm": as_t(perm_a),
-            "seg_u": as_t([0, len(text), M, len(text), len(vision)]), "perm_u": as_t(perm_u)}
+    return {"seg": seg, "perm": perm, "seg_u": as_t([0, len(text), M, len(text), len(vision)]),
+            "perm_u": as_t(text + vision + [-1] * ROW_TAIL)}
 
 
 def split_route(routing, M):
     r = routing.cpu()
     u = unaligned_section(M)
-    return {"seg": r[:5], "perm": r[SEG_SLOTS:SEG_SLOTS + (-(-M // ALIGN) + 1) * ALIGN],
-            "seg_u": r[u:u + 5], "perm_u": r[u + SEG_SLOTS:u + SEG_SLOTS + M + ROW_TAIL]}
+    seg, perm = split_routing(r, M)
+    return {"seg": seg, "perm": perm, "seg_u": r[u:u + 5], "perm_u": r[u + SEG_SLOTS:u + SEG_SLOTS + M + ROW_TAIL]}
 
 
 # M = 0, 1, odd M; on CUDA M <= 4096 route in one launch per layout and 5000 in two (count, scatter)
@@ -96,16 +88,6 @@ def test_route_rejects_a_mask_that_is_not_bool(device):
 # the routed ops given the routing: the same results, forward and backward
 
 
-def lin_weights(N, K, dtype, device):
-    mk = lambda *s: (torch.randn(*s, device=device) / math.sqrt(K)).to(dtype)  # noqa: E731
-    return mk(N, K), mk(N, K), mk(N), mk(N)
-
-
-def ffn_weights(H, I, dtype, device):  # noqa: E741
-    mk = lambda o, i: (torch.randn(o, i, device=device) / math.sqrt(i)).to(dtype)  # noqa: E731
-    return {"w1": mk(I, H), "w3": mk(I, H), "w2": mk(H, I), "u1": mk(I, H), "u3": mk(I, H), "u2": mk(H, I)}
-
-
 def grads_of(fn, leaves, g):
     leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
     out = fn(*leaves)
@@ -125,7 +107,7 @@ def test_linear_dual_with_routing(device, mask_kind, M, K, N):
     dtype = torch.bfloat16
     mask = make_mask(mask_kind, (M,), device)
     x = strided_view((M,), K, dtype, device)
-    wv, wt, bv, bt = lin_weights(N, K, dtype, device)
+    wv, wt, bv, bt = linear_dual_weights(N, K, dtype, device)
     g = strided_view((M,), N, dtype, device)
     want = grads_of(lambda x_, wv_, wt_, bv_, bt_: OPS.linear_dual(x_, mask, wv_, wt_, bv_, bt_), (x, wv, wt, bv, bt),
                     g)
@@ -188,7 +170,7 @@ def test_routing_errors(device):
     M, K, N = 37, 32, 16
     mask = make_mask("random", (M,), device)
     x = torch.randn(M, K, device=device)
-    wv, wt, _, _ = lin_weights(N, K, torch.float32, device)
+    wv, wt, _, _ = linear_dual_weights(N, K, torch.float32, device)
     w = ffn_weights(K, 48, torch.float32, device)
     good = fused_ops.route(mask)
     lin = lambda r: OPS.linear_dual(x, mask, wv, wt, routing=r)  # noqa: E731
@@ -225,7 +207,7 @@ def test_routing_on_another_device_raises(gpu_device):
     M, K, N = 20, 32, 16
     mask = make_mask("random", (M,), gpu_device)
     x = torch.randn(M, K, device=gpu_device)
-    wv, wt, _, _ = lin_weights(N, K, torch.float32, gpu_device)
+    wv, wt, _, _ = linear_dual_weights(N, K, torch.float32, gpu_device)
     with pytest.raises(ERR, match="routing must be on x's device"):
         OPS.linear_dual(x, mask, wv, wt, routing=fused_ops.route(mask.cpu()))
 

@@ -1,7 +1,7 @@
 // Autograd of ffn, in C++ so gradients flow from Python, TorchScript and libtorch alike. The forward saves only its
-// inputs and the routing given (the backward recomputes gate and up: see ffn_cuda.cpp); the backward calls the public fused::ffn_backward
-// op through the dispatcher. ffn_backward itself is not differentiable (no double backward): its Autograd kernel
-// raises if a gradient is asked through it.
+// inputs and the routing given (the backward recomputes gate and up: see ffn_cuda.cpp); the backward calls the
+// public fused::ffn_backward op through the dispatcher. ffn_backward itself is not differentiable (no double
+// backward): its Autograd kernel raises if a gradient is asked through it.
 #include <torch/autograd.h>
 #include <torch/library.h>
 

@@ -33,8 +33,6 @@ LinearDualGeometry check_linear_dual_backward_inputs(const at::Tensor& grad_out,
 // another number of tokens is rejected. linear_dual_backward's `routing` argument takes it; every linear_dual op's
 // `routing` also takes the `route` op's shared routing, whose first section it is (csrc/ops/routed_gemm.h,
 // check_routing).
-// This routing of `mask` computed with ATen on the CPU (the reference of the CUDA routing kernels' result).
-at::Tensor linear_dual_routing_cpu(const at::Tensor& mask);
 
 using LinearDualGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // Which of the gradients to compute, in LinearDualGrads' order (grad_x, grad_weight_v, grad_weight_t, grad_bias_v,

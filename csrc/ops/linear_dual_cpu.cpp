@@ -1,7 +1,7 @@
 // CPU implementation of linear_dual from ATen ops: the reference semantics of the op. Every token goes only
 // through its own expert (rows selected by the mask), math in fp32 (fp64 for fp64 inputs), results in x's dtype.
-// allow_tf32 does not apply on the CPU. Not tuned for speed. linear_dual_routing_cpu is the reference of the CUDA
-// routing (the layout linear_dual_forward returns).
+// allow_tf32 does not apply on the CPU. Not tuned for speed. linear_dual_forward's routing comes from routing_cpu, the
+// reference of the CUDA routing (csrc/ops/route.cpp).
 #include <ATen/ATen.h>
 
 #include "ops/linear_dual.h"
@@ -41,25 +41,12 @@ at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at
   return out.to(x.scalar_type()).reshape(with_last(x, g.N));
 }
 
-at::Tensor linear_dual_routing_cpu(const at::Tensor& mask) {
-  const at::Tensor m = mask.reshape({-1});
-  const int64_t M = m.numel(), count1 = m.sum().item<int64_t>(), count0 = M - count1;
-  const int64_t start1 = routed::align_up(count0), end = start1 + routed::align_up(count1);
-  at::Tensor buf = at::full({routed::routing_buffer_size(M)}, -1, m.options().dtype(at::kInt));
-  buf.narrow(0, 0, routed::kSegSlots).copy_(at::tensor({int64_t{0}, start1, end, count0, count1, int64_t{0},
-                                                        int64_t{0}, int64_t{0}}, at::kInt));
-  at::Tensor perm = buf.narrow(0, routed::kSegSlots, routed::aligned_rows(M));
-  perm.narrow(0, 0, count0).copy_(m.logical_not().nonzero().flatten());
-  perm.narrow(0, start1, count1).copy_(m.nonzero().flatten());
-  return buf;
-}
-
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cpu(const at::Tensor& x, const at::Tensor& mask,
                                                            const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                            const std::optional<at::Tensor>& bias_v,
                                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32) {
   at::Tensor out = linear_dual_cpu(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, std::nullopt);
-  return {out, linear_dual_routing_cpu(mask)};
+  return {out, routing_cpu(mask, /*aligned=*/true)};
 }
 
 LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,

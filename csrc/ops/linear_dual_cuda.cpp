@@ -23,12 +23,12 @@ constexpr const char* kOp = "linear_dual";
 
 at::Tensor vec(const at::Tensor& b) { return b.is_contiguous() ? b : b.contiguous(); }
 
-// The forward, on `given` (a routing of mask: check_routing) or routing mask itself; `routing` also returns the
-// routing it used (written in full, for linear_dual_backward).
+// The forward, on `given` (a routing of mask: check_routing) or routing mask itself; `return_routing`: also returns
+// the routing it used (written in full, for linear_dual_backward).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32,
-                                           const std::optional<at::Tensor>& given, bool routing) {
+                                           const std::optional<at::Tensor>& given, bool return_routing) {
   check_cuda(x, "x", kOp);
   check_cuda(mask, "mask", kOp);
   check_cuda(weight_v, "weight_v", kOp);
@@ -39,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
   check_routing(given, geo.M, x, kOp, /*forward_routing=*/true);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({geo.M, geo.N}, x.options());
-  if ((geo.M == 0 || geo.N == 0) && !routing) return {out.view(with_last(x, geo.N)), at::Tensor()};
+  if ((geo.M == 0 || geo.N == 0) && !return_routing) return {out.view(with_last(x, geo.N)), at::Tensor()};
 
   // A routing given: the gather GEMM reads it and routes nothing (docs/perf.md v23: 2% of the forward at 4096 tokens).
   const routed::Routing r = present(given) ? routed::routing_of(*given, geo.M) : routed::route(mask);
@@ -58,7 +58,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);
   routed::linear(g, r, routed::tokens(as_rows(x)), w, b0, b1, routed::tokens(out), /*w_transposed=*/false, tma);
   // Every path of routed::linear leaves perm and seg written (by a routing kernel or by the GEMM that routed itself).
-  return {out.view(with_last(x, geo.N)), routing ? r.buffer : at::Tensor()};
+  return {out.view(with_last(x, geo.N)), return_routing ? r.buffer : at::Tensor()};
 }
 }  // namespace
 
@@ -66,14 +66,15 @@ at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const a
                             const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                             const std::optional<at::Tensor>& bias_t, bool allow_tf32,
                             const std::optional<at::Tensor>& routing) {
-  return std::get<0>(forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing, /*routing=*/false));
+  return std::get<0>(
+      forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing, /*return_routing=*/false));
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cuda(const at::Tensor& x, const at::Tensor& mask,
                                                             const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                             const std::optional<at::Tensor>& bias_v,
                                                             const std::optional<at::Tensor>& bias_t, bool allow_tf32) {
-  return forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, std::nullopt, /*routing=*/true);
+  return forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, std::nullopt, /*return_routing=*/true);
 }
 
 LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,

@@ -6,7 +6,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "ops/linear_dual.h"
 #include "ops/routed_gemm.h"
 
 namespace fused {
@@ -15,19 +14,6 @@ constexpr const char* kOp = "route";
 
 void check_route_mask(const at::Tensor& mask) {
   TORCH_CHECK(mask.scalar_type() == at::kBool, kOp, ": mask must be a bool tensor, got ", mask.scalar_type());
-}
-
-// The unaligned routing's seg slots and perm (kernels/routing.py, ALIGN = 1): text rows from 0, vision rows from
-// count_0, both in token order, then kRowTail entries of -1.
-at::Tensor unaligned_routing_cpu(const at::Tensor& m) {
-  const int64_t M = m.numel(), count1 = m.sum().item<int64_t>(), count0 = M - count1;
-  at::Tensor buf = at::full({routed::kSegSlots + M + routed::kRowTail}, -1, m.options().dtype(at::kInt));
-  buf.narrow(0, 0, routed::kSegSlots)
-      .copy_(at::tensor({int64_t{0}, count0, M, count0, count1, int64_t{0}, int64_t{0}, int64_t{0}}, at::kInt));
-  at::Tensor perm = buf.narrow(0, routed::kSegSlots, M);
-  perm.narrow(0, 0, count0).copy_(m.logical_not().nonzero().flatten());
-  perm.narrow(0, count0, count1).copy_(m.nonzero().flatten());
-  return buf;
 }
 
 at::Tensor route_cuda(const at::Tensor& mask) {
@@ -44,15 +30,30 @@ at::Tensor route_meta(const at::Tensor& mask) {
 }
 }  // namespace
 
+at::Tensor routing_cpu(const at::Tensor& mask, bool aligned) {
+  const at::Tensor m = mask.reshape({-1});
+  const int64_t M = m.numel(), count1 = m.sum().item<int64_t>(), count0 = M - count1;
+  // kernels/routing.py: each expert's rows in token order, text from 0, vision from start_1; aligned: each segment
+  // padded to kAlign (end = start_1 + its padded length), unaligned: none (start_1 = count_0, end = M)
+  const int64_t start1 = aligned ? routed::align_up(count0) : count0;
+  const int64_t end = aligned ? start1 + routed::align_up(count1) : M;
+  const int64_t perm_len = aligned ? routed::aligned_rows(M) : M + routed::kRowTail;
+  at::Tensor buf = at::full({aligned ? routed::routing_buffer_size(M) : routed::kSegSlots + perm_len}, -1,
+                            m.options().dtype(at::kInt));
+  buf.narrow(0, 0, 5).copy_(at::tensor({int64_t{0}, start1, end, count0, count1}, at::kInt));
+  at::Tensor perm = buf.narrow(0, routed::kSegSlots, perm_len);
+  perm.narrow(0, 0, count0).copy_(m.logical_not().nonzero().flatten());
+  perm.narrow(0, start1, count1).copy_(m.nonzero().flatten());
+  return buf;
+}
+
 at::Tensor route_cpu(const at::Tensor& mask) {
   check_route_mask(mask);
-  const at::Tensor m = mask.reshape({-1});
-  const int64_t M = m.numel();
-  at::Tensor buf = at::full({routed::shared_routing_size(M)}, -1, m.options().dtype(at::kInt));
-  buf.narrow(0, 0, routed::routing_buffer_size(M)).copy_(linear_dual_routing_cpu(m));
-  buf.narrow(0, routed::unaligned_section(M), routed::kSegSlots + M + routed::kRowTail).copy_(unaligned_routing_cpu(m));
-  for (const int64_t off : {int64_t{0}, routed::unaligned_section(M)})  // seg's unused slots: -1, as on CUDA
-    buf.narrow(0, off + 5, routed::kSegSlots - 5).fill_(-1);
+  const int64_t M = mask.numel();
+  at::Tensor buf = at::full({routed::shared_routing_size(M)}, -1, mask.options().dtype(at::kInt));
+  buf.narrow(0, 0, routed::routing_buffer_size(M)).copy_(routing_cpu(mask, /*aligned=*/true));
+  buf.narrow(0, routed::unaligned_section(M), routed::kSegSlots + M + routed::kRowTail)
+      .copy_(routing_cpu(mask, /*aligned=*/false));
   return buf;
 }
 
@@ -67,7 +68,7 @@ void check_routing_of_mask(const at::Tensor& routing, const at::Tensor& mask, co
     return at::cat({t.narrow(0, off, 5), t.narrow(0, off + routed::kSegSlots, perm)});
   };
   const bool shared = routing.numel() == routed::shared_routing_size(M);
-  const at::Tensor want = shared ? route_cpu(m) : linear_dual_routing_cpu(m);
+  const at::Tensor want = shared ? route_cpu(m) : routing_cpu(m, /*aligned=*/true);
   TORCH_CHECK(used(routing, true).equal(used(want, true)) &&
                   (!shared || used(routing, false).equal(used(want, false))),
               op, ": routing is not the routing of this mask (pass what fused.route(mask)",

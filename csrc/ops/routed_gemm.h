@@ -35,8 +35,11 @@ void check_routing(const std::optional<at::Tensor>& routing, int64_t M, const at
                    bool forward_routing);
 // On the CPU: `routing` (checked by check_routing) holds the routing of `mask`, in every entry the kernels read.
 void check_routing_of_mask(const at::Tensor& routing, const at::Tensor& mask, const char* op);
-// The `route` op on the CPU: the shared routing of `mask` computed with ATen (the reference of the CUDA routing),
-// entry for entry (-1 where the routing writes nothing).
+// The routing of `mask` computed with ATen on the CPU, the reference of the CUDA routing kernels' result: the aligned
+// one (routed::routing_buffer_size(M) entries: linear_dual_forward's routing) or the unaligned one (kSegSlots + M +
+// kRowTail entries), -1 in every entry the routing does not use.
+at::Tensor routing_cpu(const at::Tensor& mask, bool aligned);
+// The `route` op on the CPU: both routings in the shared layout, entry for entry the CUDA op's result.
 at::Tensor route_cpu(const at::Tensor& mask);
 // x.shape[:-1] + [last]
 std::vector<int64_t> with_last(const at::Tensor& x, int64_t last);

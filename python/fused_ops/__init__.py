@@ -61,6 +61,6 @@ def kernel_config(kernel: str, family: str, m: int, cc: int = 90) -> str:
     return _torch.ops.fused.kernel_config(kernel, family, cc, m)
 
 
-__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "route", "linear_dual", "DualLinear",
-           "ffn", "FusedSwiGLU", "DualExpertSwiGLU", "set_sync_checks", "set_programmatic_launch", "built_archs",
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "route", "linear_dual",
+           "DualLinear", "ffn", "FusedSwiGLU", "DualExpertSwiGLU", "set_sync_checks", "set_programmatic_launch", "built_archs",
            "kernel_config", "library_path"]
