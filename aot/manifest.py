@@ -127,8 +127,8 @@ GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ie
 # Row counts: no hint. They only bound rows (no vector access runs along them), and M_pad = M + 128 of an unaligned
 # routing is rarely a multiple of 16: a hint on it would send every such call (one decode token: M_pad = 129) to the
 # generic variant, which loses the hints on the pointers and strides that vectorize the gathers and stores. Nor on an
-# expert index (0 or 1), which no address is a multiple of.
-_NO_HINT = {"M", "M_pad", "n_rows", "one_rows", "first_expert", "experts"}
+# expert index (0 or 1) or a weight-order flag (up_first, w_map: small values that select, never address).
+_NO_HINT = {"M", "M_pad", "n_rows", "one_rows", "first_expert", "experts", "up_first", "w_map"}
 
 
 def _aligned(args) -> Dict[str, object]:
@@ -280,7 +280,7 @@ def _gemm_variants() -> List[Variant]:
                 args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w_desc", f"tensordesc<{dt}[{wblock}]>"),
                         ("wh_desc", f"tensordesc<{dt}[{hblock}]>"), ("bias0_ptr", p), ("bias1_ptr", p),
                         ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"),
-                        ("K", "i32"), ("stride_om", "i32")]
+                        ("K", "i32"), ("stride_om", "i32"), ("w_map", "i32")]
                 meta = _split_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
                 out += _both("kernels.gemm:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
                              args, meta, cfg, archs)
@@ -294,7 +294,8 @@ def _gemm_variants() -> List[Variant]:
             args = [("a_ptr", p), ("w_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
                     ("wh_desc", f"tensordesc<{dt}[1, {bn // 2}, {bk}]>"), ("bias0_ptr", p), ("bias1_ptr", p),
                     ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("mask_ptr", "*i8"), ("M", "i32"),
-                    ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_am", "i32"), ("stride_om", "i32")]
+                    ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_am", "i32"), ("stride_om", "i32"),
+                    ("w_map", "i32")]
             align = config_table.ROUTING_ALIGN
             for route in route_blocks("routed_linear_gather_tma_kernel", fam, cfg):
                 for bias in (1, 0):
@@ -310,7 +311,7 @@ def _gemm_variants() -> List[Variant]:
             args = [("a_ptr", p), ("w1_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
                     ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
                     ("seg_ptr", "*i32"), ("mask_ptr", "*i8"), ("M", "i32"), ("M_pad", "i32"), ("N", "i32"),
-                    ("K", "i32"), ("stride_am", "i32"), ("stride_hm", "i32")]
+                    ("K", "i32"), ("stride_am", "i32"), ("stride_hm", "i32"), ("w_map", "i32")]
             for route in route_blocks("routed_swiglu_gather_tma_kernel", fam, cfg):
                 meta = dict(_persistent_meta(cfg, prec), ROUTE_BLOCK=route, ALIGN=1)
                 out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel", dict(base, route=route, align=1), args,
@@ -331,7 +332,8 @@ def _gemm_variants() -> List[Variant]:
             bm, bn, bk = cfg["block"]
             args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w1_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
                     ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
-                    ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32")]
+                    ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32"),
+                    ("w_map", "i32")]
             meta = _persistent_meta(cfg, prec, SCATTER_OUT=False)
             out += _both("kernels.gemm:routed_swiglu_tma_kernel", dict(base, scatter=0), args, meta, cfg, archs)
 
@@ -342,7 +344,7 @@ def _gemm_variants() -> List[Variant]:
             args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w13_desc", f"tensordesc<{dt}[2, 1, {bn}, {bk}]>"),
                     ("w13h_desc", f"tensordesc<{dt}[2, 1, {bn // 2}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
                     ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32"),
-                    ("up_first", "i32")]
+                    ("up_first", "i32"), ("w_map", "i32")]
             out += _both("kernels.gemm:routed_swiglu_pair_tma_kernel", dict(base), args, _persistent_meta(cfg, prec),
                          cfg, archs)
 
@@ -352,7 +354,7 @@ def _gemm_variants() -> List[Variant]:
             bm, bn, bk = cfg["block"]
             args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w13_desc", f"tensordesc<{dt}[2, 1, {bn}, {bk}]>"),
                     ("h_ptr", p), ("dup_ptr", p), ("dgate_ptr", p), ("seg_ptr", "*i32"), ("N", "i32"), ("K", "i32"),
-                    ("stride_hm", "i32"), ("up_first", "i32")]
+                    ("stride_hm", "i32"), ("up_first", "i32"), ("w_map", "i32")]
             out += _both("kernels.gemm:routed_swiglu_pair_bwd_tma_kernel", dict(base), args,
                          _persistent_meta(cfg, prec), cfg, archs)
     return out

@@ -415,6 +415,16 @@ def expert_colsum_kernel(colsum_ptr, seg_ptr, sum0_ptr, sum1_ptr, num_blocks, C,
 
 
 @triton.jit
+def _w_index(e, w_map):
+    """The index of expert e along a stacked weight descriptor's expert dimension: bit e of w_map. 2 = [text, vision]
+    (DualLinear's parameter order), 1 = [vision, text] (the vision weight lies below the text weight in memory, as in
+    a model that registers its vision expert first, like CogVLM), 0 = one weight serves both experts. The descriptor
+    then starts at the lower of the two weights, so that no layout needs a copy (csrc/ops/routed_gemm.cpp
+    Experts::stacked)."""
+    return (w_map >> e) & 1
+
+
+@triton.jit
 def _linear_step(a, w_desc, e, n0, k0, acc, W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K step: the A tile (however it was loaded) times W_e's tile; w_desc is a rank-3 descriptor over the stacked
@@ -439,13 +449,14 @@ def _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED: tl.constexp
 
 @triton.jit
 def _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
-                     stride_om, HAS_BIAS: tl.constexpr, SCATTER_OUT: tl.constexpr, W_TRANSPOSED: tl.constexpr,
+                     stride_om, w_map, HAS_BIAS: tl.constexpr, SCATTER_OUT: tl.constexpr, W_TRANSPOSED: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr):
     """One output tile of routed_linear_tma_kernel: rows [row0, row_hi) of A through a_desc, columns offs_n =
-    n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide), bias, store."""
+    n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide; w_map: _w_index), bias, store."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N, BLOCK_K)
+    acc = _tma_mainloop(acc, a_desc, w_desc, _w_index(e, w_map), row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N,
+                        BLOCK_K)
     if HAS_BIAS:
         acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
     _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
@@ -453,7 +464,7 @@ def _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, ro
 
 @triton.jit
 def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr,
-                             seg_ptr, one_rows, N, K, stride_om,
+                             seg_ptr, one_rows, N, K, stride_om, w_map,
                              HAS_BIAS: tl.constexpr, SCATTER_OUT: tl.constexpr,
                              W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -466,7 +477,8 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
     not ask for it: the code after the tile loop cost the flattened large-m kernels 1-3% (v22). Persistent over the
     row tiles of _row_tiles x cdiv(N, BN): with SCATTER_OUT only the tiles that hold rows, else every tile below
     end = seg[2] (an expert-ordered output is written up to end, padding rows included). one_rows > 0 (with
-    SCATTER_OUT = False): one expert, rows in token order, no perm / seg (_walk_tiles)."""
+    SCATTER_OUT = False): one expert, rows in token order, no perm / seg (_walk_tiles). w_map: the experts' order
+    along w_desc's first dimension (_w_index)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -479,12 +491,12 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
         _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
-                         stride_om, HAS_BIAS, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                         stride_om, w_map, HAS_BIAS, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_TAIL and pid < 2 * tail:
         row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
                                                     BLOCK_N, GROUP_M)
         _tma_linear_tile(a_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
-                         stride_om, HAS_BIAS, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2,
+                         stride_om, w_map, HAS_BIAS, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2,
                          BLOCK_K)
 
 
@@ -497,7 +509,7 @@ def _gathered_a(a_ptrs, valid, offs_k, K, k0):
 
 @triton.jit
 def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
-                        stride_am, stride_om, HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                        stride_am, stride_om, w_map, HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One output tile of routed_linear_gather_tma_kernel: A's rows gathered through perm[row0, row_hi), columns
     offs_n = n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide), bias, rows scattered."""
@@ -506,7 +518,7 @@ def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, 
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc = _linear_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w_desc, e, n0, k0, acc, False,
+        acc = _linear_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w_desc, _w_index(e, w_map), n0, k0, acc, False,
                            INPUT_PRECISION, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
@@ -515,7 +527,7 @@ def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, 
 
 @triton.jit
 def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr,
-                                    mask_ptr, M, M_pad, N, K, stride_am, stride_om,
+                                    mask_ptr, M, M_pad, N, K, stride_am, stride_om, w_map,
                                     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
@@ -525,7 +537,7 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
     of docs/perf.md ("gather inside the GEMM"), measured against gather + routed_linear_tma_kernel by aot/tune.py.
     Persistent over the tiles that hold rows; SPLIT_TAIL: a last round split in column halves through wh_desc, as in
-    routed_linear_tma_kernel. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles)."""
+    routed_linear_tma_kernel. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -539,34 +551,36 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
         _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
-                            K, stride_am, stride_om, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                            K, stride_am, stride_om, w_map, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_TAIL and pid < 2 * tail:
         row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
                                                     BLOCK_N, GROUP_M)
         _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
-                            K, stride_am, stride_om, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2, BLOCK_K)
+                            K, stride_am, stride_om, w_map, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2, BLOCK_K)
 
 
 @triton.jit
-def _swiglu_step(a, w1_desc, w3_desc, e, n0, k0, acc_g, acc_u, INPUT_PRECISION: tl.constexpr,
+def _swiglu_step(a, w1_desc, w3_desc, e, w_map, n0, k0, acc_g, acc_u, INPUT_PRECISION: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step of the two-MMA gate/up GEMM: the A tile (however it was loaded) times W1_e's and W3_e's tiles."""
-    g = w1_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
-    u = w3_desc.load([e, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+    """One K step of the two-MMA gate/up GEMM: the A tile (however it was loaded) times W1_e's and W3_e's tiles.
+    w_map: W1's _w_index map in bits 0-1, W3's in bits 2-3 (each projection's experts may lie in either order)."""
+    g = w1_desc.load([_w_index(e, w_map), n0, k0]).reshape(BLOCK_N, BLOCK_K)
+    u = w3_desc.load([_w_index(e, w_map >> 2), n0, k0]).reshape(BLOCK_N, BLOCK_K)
     acc_g = tl.dot(a, g.T, acc_g, input_precision=INPUT_PRECISION)
     acc_u = tl.dot(a, u.T, acc_u, input_precision=INPUT_PRECISION)
     return acc_g, acc_u
 
 
 @triton.jit
-def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, one_rows, N, K, stride_hm,
+def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, one_rows, N, K, stride_hm, w_map,
                              SCATTER_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr,
                              FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """a_desc: [M_pad, K] block [BM, BK]; w1_desc / w3_desc: stacked [2, N, K] block [1, BN, BK]. Persistent over
     the tiles that hold rows: rows of h past each expert's last row tile are not written (only the down projection
-    reads h, and its padding rows' outputs are not stored). one_rows > 0: one expert, no perm / seg (_walk_tiles)."""
+    reads h, and its padding rows' outputs are not stored). one_rows > 0: one expert, no perm / seg (_walk_tiles).
+    w_map: both projections' expert orders (_swiglu_step)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -578,7 +592,7 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            acc_g, acc_u = _swiglu_step(a_desc.load([row0, k0]), w1_desc, w3_desc, e, n0, k0, acc_g, acc_u,
+            acc_g, acc_u = _swiglu_step(a_desc.load([row0, k0]), w1_desc, w3_desc, e, w_map, n0, k0, acc_g, acc_u,
                                         INPUT_PRECISION, BLOCK_N, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, SCATTER_OUT,
                     BLOCK_M)
@@ -586,13 +600,14 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
 
 @triton.jit
 def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, w13h_desc, h_ptr, perm_ptr, seg_ptr, one_rows, N, K, stride_hm,
-                                  up_first, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  up_first, w_map, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                   FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """routed_swiglu_tma_kernel with the gate and up tiles fetched by one TMA load and multiplied by one MMA of
     2 x BLOCK_N columns: w13_desc is a rank-4 descriptor [2, E, N, K] over both projections (dimension 0: the two
     weight tensors, at whatever distance they lie in memory; block [2, 1, BN, BK]). up_first = 1 when dimension 0
-    holds up before gate (w3 lies below w1 in memory). The accumulator [BM, 2 BN] splits into gate and up in the
+    holds up before gate (w3 lies below w1 in memory); w_map: the experts' order along dimension 1 (_w_index; one for
+    both projections, which share the descriptor's strides). The accumulator [BM, 2 BN] splits into gate and up in the
     epilogue. one_rows as in routed_swiglu_tma_kernel. A last round that fills at most half the programs is split
     in column halves (_split_tail), loaded through w13h_desc: the same tensor, block [2, 1, BN / 2, BK]."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
@@ -604,13 +619,14 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, w13h_desc, h_ptr, perm_ptr, 
     for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
-        g, u = _pair_gate_up(a_desc, w13_desc, e, row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        g, u = _pair_gate_up(a_desc, w13_desc, _w_index(e, w_map), row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M,
+                             BLOCK_N, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
     if pid < 2 * tail:
         row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
                                                     BLOCK_N, GROUP_M)
-        g, u = _pair_gate_up(a_desc, w13h_desc, e, row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2,
-                             BLOCK_K)
+        g, u = _pair_gate_up(a_desc, w13h_desc, _w_index(e, w_map), row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M,
+                             BLOCK_N // 2, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
 
 
@@ -631,7 +647,7 @@ def _pair_gate_up(a_desc, w13_desc, e, row0, n0, K, up_first, INPUT_PRECISION: t
 
 @triton.jit
 def routed_swiglu_pair_bwd_tma_kernel(a_desc, w13_desc, h_ptr, dup_ptr, dgate_ptr, seg_ptr, N, K, stride_hm,
-                                      up_first, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                                      up_first, w_map, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                       FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
     """The ffn backward's gate/up recompute fused with the SwiGLU backward (kernels/swiglu_backward.py): each tile's
@@ -648,7 +664,8 @@ def routed_swiglu_pair_bwd_tma_kernel(a_desc, w13_desc, h_ptr, dup_ptr, dgate_pt
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
-        g, u = _pair_gate_up(a_desc, w13_desc, e, row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        g, u = _pair_gate_up(a_desc, w13_desc, _w_index(e, w_map), row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M,
+                             BLOCK_N, BLOCK_K)
         off, ok = _ordered_offsets(row0, row_hi, offs_n, N, stride_hm, BLOCK_M)
         d = tl.load(dgate_ptr + off, mask=ok, other=0.0).to(tl.float32)
         h, d_up, d_gate = swiglu_grads(g, u, d)
@@ -660,7 +677,7 @@ def routed_swiglu_pair_bwd_tma_kernel(a_desc, w13_desc, h_ptr, dup_ptr, dgate_pt
 
 @triton.jit
 def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, mask_ptr, M, M_pad, N, K,
-                                    stride_am, stride_hm, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                                    stride_am, stride_hm, w_map, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                     ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                                     FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
@@ -682,7 +699,7 @@ def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, se
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            acc_g, acc_u = _swiglu_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w1_desc, w3_desc, e, n0, k0,
+            acc_g, acc_u = _swiglu_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w1_desc, w3_desc, e, w_map, n0, k0,
                                         acc_g, acc_u, INPUT_PRECISION, BLOCK_N, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
 
@@ -910,9 +927,10 @@ def launch_expert_colsum(colsum, seg, sum0, sum1, *, ROWS_PER_BLOCK=GATHER_ROWS,
 def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, scatter_out=True,
                              w_transposed=False, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
                              num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, one_rows=0,
-                             SPLIT_TAIL=False):
-    """a_pad [M_pad, K] expert-ordered; w_stacked [2, N, K] (or [2, K, N] when w_transposed). one_rows > 0: one expert
-    of one_rows rows in token order, perm / seg unused (may be None), scatter_out must be False."""
+                             SPLIT_TAIL=False, w_map=2):
+    """a_pad [M_pad, K] expert-ordered; w_stacked [2, N, K] (or [2, K, N] when w_transposed), experts in the order
+    w_map says (_w_index: 2 text first, 1 vision first, 0 one weight for both). one_rows > 0: one expert of one_rows
+    rows in token order, perm / seg unused (may be None), scatter_out must be False."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     assert not (one_rows and scatter_out)
     M_pad, perm, seg = _tile_rows_arg(perm, seg, one_rows, out)
@@ -927,7 +945,7 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
     routed_linear_tma_kernel[grid](a_desc, w_desc, wh_desc, bias0, bias1, out, perm, seg, one_rows, N, K,
-                                   out.stride(0), HAS_BIAS=has_bias, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
+                                   out.stride(0), w_map, HAS_BIAS=has_bias, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                    GROUP_M=GROUP_M, FLATTEN=FLATTEN, SPLIT_TAIL=SPLIT_TAIL, num_warps=num_warps,
                                    num_stages=num_stages)
@@ -936,8 +954,10 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
 
 def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, *, mask=None, route_block=0,
                                     align=128, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
-                                    num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, SPLIT_TAIL=False):
-    """a [M, K] in token order (rows gathered in the kernel); w_stacked [2, N, K]; out [M, N]. route_block > 0: perm
+                                    num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, SPLIT_TAIL=False,
+                                    w_map=2):
+    """a [M, K] in token order (rows gathered in the kernel); w_stacked [2, N, K] (w_map: as in
+    launch_routed_linear_tma); out [M, N]. route_block > 0: perm
     and seg are written by the kernel from mask (int8 [M], M <= route_block) with routing ALIGN = align."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad = perm.shape[0]
@@ -952,7 +972,7 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
     routed_linear_gather_tma_kernel[grid](a, w_desc, wh_desc, bias0, bias1, out, perm, seg, mask_arg, M, M_pad, N, K,
-                                          a.stride(0), out.stride(0), HAS_BIAS=has_bias,
+                                          a.stride(0), out.stride(0), w_map, HAS_BIAS=has_bias,
                                           INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                           GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
                                           SPLIT_TAIL=SPLIT_TAIL, num_warps=num_warps, num_stages=num_stages)
@@ -961,8 +981,9 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
 
 def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, scatter_out=False,
                              input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None,
-                             num_warps=8, num_stages=3, FLATTEN=False, one_rows=0):
-    """one_rows: as in launch_routed_linear_tma."""
+                             num_warps=8, num_stages=3, FLATTEN=False, one_rows=0, w_map=2 | 2 << 2):
+    """one_rows: as in launch_routed_linear_tma. w_map: w1's expert order (launch_routed_linear_tma) in bits 0-1, w3's
+    in bits 2-3."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     assert not (one_rows and scatter_out)
     M_pad, perm, seg = _tile_rows_arg(perm, seg, one_rows, h)
@@ -973,7 +994,7 @@ def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, sca
     w3_desc = TensorDescriptor.from_tensor(w3_stacked, [1, BN, BK])
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_swiglu_tma_kernel[grid](a_desc, w1_desc, w3_desc, h, perm, seg, one_rows, N, K, h.stride(0),
+    routed_swiglu_tma_kernel[grid](a_desc, w1_desc, w3_desc, h, perm, seg, one_rows, N, K, h.stride(0), w_map,
                                    SCATTER_OUT=scatter_out, INPUT_PRECISION=input_precision, BLOCK_M=BM,
                                    BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
                                    num_stages=num_stages)
@@ -982,9 +1003,9 @@ def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, sca
 
 def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, input_precision="tf32", BM=128,
                                   BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
-                                  FLATTEN=False, one_rows=0):
-    """w13 [2, E, N, K]: index 0 of dimension 0 is the gate (w1) unless up_first. one_rows: as in
-    launch_routed_linear_tma."""
+                                  FLATTEN=False, one_rows=0, w_map=2):
+    """w13 [2, E, N, K]: index 0 of dimension 0 is the gate (w1) unless up_first; the experts along dimension 1 in
+    the order w_map says. one_rows, w_map: as in launch_routed_linear_tma."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad, perm, seg = _tile_rows_arg(perm, seg, one_rows, h)
     K, N = a_pad.shape[1], w13.shape[2]
@@ -994,7 +1015,7 @@ def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, i
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
     routed_swiglu_pair_tma_kernel[grid](a_desc, w_desc, wh_desc, h, perm, seg, one_rows, N, K, h.stride(0),
-                                        int(up_first), INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
+                                        int(up_first), w_map, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
                                         BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
                                         num_stages=num_stages)
     return h
@@ -1002,8 +1023,9 @@ def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, i
 
 def launch_routed_swiglu_pair_bwd_tma(a_pad, w13, h, dup, dgate, seg, *, up_first=False, input_precision="tf32",
                                       BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
-                                      FLATTEN=False):
-    """a_pad [M_pad, K] expert-ordered (aligned routing, zero padding rows); w13 as in launch_routed_swiglu_pair_tma;
+                                      FLATTEN=False, w_map=2):
+    """a_pad [M_pad, K] expert-ordered (aligned routing, zero padding rows); w13, w_map as in
+    launch_routed_swiglu_pair_tma;
     dgate holds dh on entry, d_gate on return; h, dup written. All three [M_pad, N], one row stride."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad, K, N = a_pad.shape[0], a_pad.shape[1], w13.shape[2]
@@ -1013,7 +1035,7 @@ def launch_routed_swiglu_pair_bwd_tma(a_pad, w13, h, dup, dgate, seg, *, up_firs
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
     routed_swiglu_pair_bwd_tma_kernel[grid](a_desc, w_desc, h, dup, dgate, seg, N, K, h.stride(0), int(up_first),
-                                            INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                                            w_map, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                             GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
                                             num_stages=num_stages)
     return h, dup, dgate
@@ -1021,9 +1043,9 @@ def launch_routed_swiglu_pair_bwd_tma(a_pad, w13, h, dup, dgate, seg, *, up_firs
 
 def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, mask=None, route_block=0, align=128,
                                     input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None,
-                                    num_warps=8, num_stages=3, FLATTEN=False):
+                                    num_warps=8, num_stages=3, FLATTEN=False, w_map=2 | 2 << 2):
     """a [M, K] in token order; h [M_pad, N] expert-ordered (rows >= seg[2] not written). route_block: as in
-    launch_routed_linear_gather_tma."""
+    launch_routed_linear_gather_tma; w_map: as in launch_routed_swiglu_tma."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad, K, N = perm.shape[0], a.shape[1], w1_stacked.shape[1]
     mask_arg, M = _mask_arg(mask, perm, route_block)
@@ -1032,7 +1054,7 @@ def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, 
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
     routed_swiglu_gather_tma_kernel[grid](a, w1_desc, w3_desc, h, perm, seg, mask_arg, M, M_pad, N, K, a.stride(0),
-                                          h.stride(0), INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
+                                          h.stride(0), w_map, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
                                           BLOCK_K=BK, GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align,
                                           FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return h

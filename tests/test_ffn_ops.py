@@ -332,6 +332,12 @@ def test_weight_layout_does_not_change_results(device, dual):
         w1, u1 = stacked(w["w1"], w["u1"])
         w3, u3 = stacked(w["w3"], w["u3"])
         layouts["both_stacked"] = dict(w, w1=w1, u1=u1, w3=w3, u3=u3)
+        # vision below text (views of one [2, R, C] tensor, vision at index 0: CogVLM's registration order), every
+        # projection: read in place through the descriptor's expert order (w_map), no copy
+        flipped = {}
+        for v, t in (("w1", "u1"), ("w3", "u3"), ("w2", "u2")):
+            flipped[v], flipped[t] = torch.stack([w[v], w[t]]).unbind(0)
+        layouts["vision_below_text"] = dict(w, **flipped)
     layouts["gate_strided"] = dict(w, w1=strided(w["w1"]))
     # up's weights below gate's in one buffer (the paired kernels' descriptor then starts at up: up_first)
     if dual:
@@ -344,6 +350,14 @@ def test_weight_layout_does_not_change_results(device, dual):
     for name, lw in layouts.items():
         results[name] = (OPS.ffn(x, *op_args(lw, mask)), OPS.ffn_backward(g, x, *op_args(lw, mask)))
     base_out, base_grads = results["separate"]
+    if dual:  # the text expert's weights given as the vision expert's tensors themselves, against separate copies
+        tied = dict(w, u1=w["w1"], u3=w["w3"], u2=w["w2"])
+        copies = dict(w, u1=w["w1"].clone(), u3=w["w3"].clone(), u2=w["w2"].clone())
+        out_t, out_c = OPS.ffn(x, *op_args(tied, mask)), OPS.ffn(x, *op_args(copies, mask))
+        assert torch.equal(out_t, out_c), "tied experts: forward differs from separate copies"
+        for gname, a, b in zip(GRAD_NAMES, OPS.ffn_backward(g, x, *op_args(tied, mask)),
+                               OPS.ffn_backward(g, x, *op_args(copies, mask))):
+            assert (a is None and b is None) or torch.equal(a, b), f"tied experts: {gname} differs"
     for name, (out, grads) in results.items():
         assert torch.equal(out, base_out), f"{name}: forward differs from separate weights"
         for gname, a, b in zip(GRAD_NAMES, grads, base_grads):

@@ -514,6 +514,63 @@ def test_swiglu_pair_bwd_tma(kind, up_first):
         assert torch.isnan(got[end:]).all(), f"{name}: rows from end on must not be written"
 
 
+@pytest.mark.parametrize("order", ["vision_first", "tied"])
+def test_weight_orders_tma(order):
+    """Every TMA kernel that reads stacked weights takes the experts in either order along the descriptor's expert
+    dimension (w_map 1: [vision, text], a vision weight below the text one in memory) or one weight for both (w_map 0:
+    a [1, R, C] descriptor), with the same bits as the text-first layout (w_map 2) of the same values: the launchers
+    then never copy weights (csrc/ops/routed_gemm.cpp Experts::stacked)."""
+    M, H, I = 37, 40, 24  # noqa: E741
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(53)
+    mask = make_mask("random", M, gen)
+    x = rnd(gen, M, H, dtype=dtype)
+    w = {n: rnd(gen, 2, *shape, dtype=dtype) for n, shape in (("w", (I, H)), ("w1", (I, H)), ("w3", (I, H)))}
+    if order == "tied":  # both experts are one weight: the canonical layout repeats it
+        w = {n: t[:1].expand(2, -1, -1).contiguous() for n, t in w.items()}
+        laid, w_map = {n: t[:1].clone() for n, t in w.items()}, 0
+    else:
+        laid, w_map = {n: t.flip(0).contiguous() for n, t in w.items()}, 1
+    perm, seg = route(mask, align=ALIGN)
+    M_pad = perm.shape[0]
+    xg = gathered(x, perm, M_pad)
+    b0, b1 = rnd(gen, I, dtype=dtype), rnd(gen, I, dtype=dtype)
+    kw = dict(input_precision="ieee", num_programs=3, **T)
+
+    def pair(ws):
+        return torch.stack([ws["w1"], ws["w3"]])
+
+    def run(ws, m):  # every kernel once, outputs poisoned
+        outs = {}
+        out = torch.full((M, I), float("nan"), dtype=dtype)
+        outs["linear"] = gemm.launch_routed_linear_tma(xg, ws["w"], b0, b1, out, perm, seg, w_map=m, **kw)
+        out = torch.full((M, H), float("nan"), dtype=dtype)
+        outs["grad_input"] = gemm.launch_routed_linear_tma(gathered(rnd(torch.Generator().manual_seed(55), M, I, dtype=dtype), perm, M_pad), ws["w"], None,
+                                                           None, out, perm, seg, w_transposed=True, w_map=m, **kw)
+        out = torch.full((M, I), float("nan"), dtype=dtype)
+        outs["linear_gather"] = gemm.launch_routed_linear_gather_tma(x, ws["w"], b0, b1, out, perm.clone(),
+                                                                     seg.clone(), w_map=m, **kw)
+        two = m | m << 2
+        h = torch.zeros(M_pad, I, dtype=dtype)
+        outs["swiglu"] = gemm.launch_routed_swiglu_tma(xg, ws["w1"], ws["w3"], h, perm, seg, w_map=two, **kw)
+        h = torch.zeros(M_pad, I, dtype=dtype)
+        outs["swiglu_gather"] = gemm.launch_routed_swiglu_gather_tma(x, ws["w1"], ws["w3"], h, perm.clone(),
+                                                                     seg.clone(), w_map=two, **kw)
+        h = torch.zeros(M_pad, I, dtype=dtype)
+        outs["pair"] = gemm.launch_routed_swiglu_pair_tma(xg, pair(ws), h, perm, seg, w_map=m, **kw)
+        h, dup = torch.zeros(M_pad, I, dtype=dtype), torch.zeros(M_pad, I, dtype=dtype)
+        dgate = gathered(rnd(torch.Generator().manual_seed(54), M, I, dtype=dtype), perm, M_pad)
+        outs["pair_bwd"] = torch.cat(gemm.launch_routed_swiglu_pair_bwd_tma(xg, pair(ws), h, dup, dgate, seg,
+                                                                            w_map=m, **kw))
+        return outs
+
+    want, got = run(w, 2), run(laid, w_map)
+    for name in want:
+        assert torch.isfinite(want[name][:M]).all(), name
+        assert torch.equal(got[name], want[name]) or torch.allclose(got[name], want[name], equal_nan=True,
+                                                                     rtol=0, atol=0), name
+
+
 @pytest.mark.parametrize("M", [1, 37])
 @pytest.mark.parametrize("gate_up", ["pair", "two_mma"])
 def test_single_expert_without_routing(M, gate_up):

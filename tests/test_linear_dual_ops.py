@@ -396,6 +396,67 @@ def test_transposed_weights_either_work_or_raise(device):
     check_out(out, linear_dual_reference(x, mask, wv, wt), (M, N), torch.bfloat16, device, TOL[torch.bfloat16])
 
 
+def _weight_layouts(wv, wt):
+    """The same two experts' values laid out as a user may hold them: separate tensors, views of one [2, N, K] tensor
+    text first (DualLinear) or vision first (CogVLM registers its vision expert first), a row-padded pair."""
+    t_first = torch.stack([wt, wv])
+    v_first = torch.stack([wv, wt])
+    padded = torch.zeros(2, wv.shape[0], wv.shape[1] + 8, dtype=wv.dtype, device=wv.device)
+    padded[0, :, :wv.shape[1]], padded[1, :, :wv.shape[1]] = wt, wv
+    return {"separate": (wv, wt), "text_first": (t_first[1], t_first[0]), "vision_first": (v_first[0], v_first[1]),
+            "row_padded": (padded[1, :, :wv.shape[1]], padded[0, :, :wv.shape[1]])}
+
+
+@pytest.mark.parametrize("M", [1, 300])
+def test_weight_layouts_same_bits(device, M):
+    """Every weight layout gives the bits of separate tensors, forward and backward (the CUDA kernels read each
+    layout in place through the descriptor's expert order), and one tensor given as both experts equals two copies."""
+    K, N = 64, 48
+    x = strided_view((M,), K, torch.bfloat16, device)
+    mask = make_mask("random", (M,), device)
+    g = strided_view((M,), N, torch.bfloat16, device)
+    wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, device, "both")
+    want = None
+    for name, (v, t) in _weight_layouts(wv, wt).items():
+        got = (OPS.linear_dual(x, mask, v, t, bv, bt),) + tuple(OPS.linear_dual_backward(g, x, mask, v, t))
+        if want is None:
+            want = got
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert (a is None and b is None) or torch.equal(a, b), f"{name}: result {i} differs from separate weights"
+    tied = OPS.linear_dual(x, mask, wv, wv, bv, bt)
+    assert torch.equal(tied, OPS.linear_dual(x, mask, wv, wv.clone(), bv, bt)), "tied experts differ from two copies"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 2048])
+@pytest.mark.parametrize("layout", ["separate", "text_first", "vision_first"])
+def test_weights_read_in_place(gpu_device, M, layout):
+    """No weight copy inside the op for any of these layouts: no copy / stack op in a profile of the forward and the
+    backward, and the forward's peak extra memory far below one expert's weight."""
+    if torch.cuda.get_device_capability(gpu_device) != (9, 0):
+        pytest.skip("the TMA path (sm_90) reads stacked weights; the pointer kernels take two base pointers anyway")
+    K, N = 2048, 4096
+    x = torch.randn(M, K, device=gpu_device, dtype=torch.bfloat16)
+    mask = make_mask("random", (M,), gpu_device)
+    g = torch.randn(M, N, device=gpu_device, dtype=torch.bfloat16)
+    wv, wt, _, _ = make_weights(N, K, torch.bfloat16, gpu_device, "none")
+    v, t = _weight_layouts(wv, wt)[layout]
+    OPS.linear_dual(x, mask, v, t)  # warm
+    sync(gpu_device)
+    torch.cuda.reset_peak_memory_stats(gpu_device)
+    base = torch.cuda.memory_allocated(gpu_device)
+    out = OPS.linear_dual(x, mask, v, t)
+    sync(gpu_device)
+    extra = torch.cuda.max_memory_allocated(gpu_device) - base - out.untyped_storage().nbytes()
+    assert extra < wv.numel() * wv.element_size() // 4, f"peak extra {extra} B: the weights were copied?"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        OPS.linear_dual(x, mask, v, t)
+        OPS.linear_dual_backward(g, x, mask, v, t)
+    copies = [e.name for e in prof.events() if e.name in ("aten::stack", "aten::copy_", "aten::clone", "aten::cat")]
+    assert not copies, f"{layout}: the op copied its weights ({copies})"
+    check_out(out, linear_dual_reference(x, mask, wv, wt), (M, N), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # CUDA: realistic sizes, several devices, CUDA graphs
 

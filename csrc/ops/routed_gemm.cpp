@@ -286,17 +286,19 @@ const Experts::Stacked& Experts::stacked() {
   if (st_) return *st_;
   const int64_t es = w0_.element_size(), R = rows(), C = cols();
   const bool rows_ok = ld_ >= C && (ld_ * es) % 16 == 0 && aligned16(w0_.data_ptr());
-  if (single_) {
-    if (rows_ok) {
-      st_ = Stacked{w0_.data_ptr(), 1, R * ld_, ld_};
-      return *st_;
-    }
-    return stack_by_copy();
+  const intptr_t diff = single_ ? 0 : reinterpret_cast<intptr_t>(w1_.data_ptr()) - reinterpret_cast<intptr_t>(w0_.data_ptr());
+  if (rows_ok && diff == 0) {  // one expert, or both experts are one tensor (tied weights): index 0 serves both
+    st_ = Stacked{w0_.data_ptr(), 1, R * ld_, ld_, 0};
+    return *st_;
   }
-  if (rows_ok && aligned16(w1_.data_ptr())) {
-    const auto diff = reinterpret_cast<intptr_t>(w1_.data_ptr()) - reinterpret_cast<intptr_t>(w0_.data_ptr());
-    if (diff > 0 && diff % 16 == 0 && diff / es >= R * ld_) {  // zero-copy: one rank-3 view of both experts
-      st_ = Stacked{w0_.data_ptr(), 2, diff / es, ld_};
+  if (rows_ok && !single_ && aligned16(w1_.data_ptr())) {
+    // Zero-copy: one rank-3 view from the lower weight, the other |diff| bytes above it (TMA's strides are unsigned
+    // multiples of 16 bytes below 2^40), whichever expert that is. CogVLM registers its vision expert first, so a
+    // model moved to the GPU often has vision below text; DualLinear / DualExpertSwiGLU stack text first.
+    const uintptr_t adiff = static_cast<uintptr_t>(diff < 0 ? -diff : diff);
+    if (adiff % 16 == 0 && adiff < (uintptr_t{1} << 40) && static_cast<int64_t>(adiff) / es >= R * ld_) {
+      st_ = Stacked{diff > 0 ? w0_.data_ptr() : w1_.data_ptr(), 2, static_cast<int64_t>(adiff) / es, ld_,
+                    diff > 0 ? 2 : 1};
       return *st_;
     }
   }
@@ -305,13 +307,14 @@ const Experts::Stacked& Experts::stacked() {
 
 const Experts::Stacked& Experts::stacked_contiguous() {
   const Stacked& s = stacked();
-  return s.ld == cols() && s.stride_e == rows() * cols() ? s : stack_by_copy();
+  const bool canonical = single_ ? s.experts == 1 : (s.experts == 2 && s.map == 2);
+  return canonical && s.ld == cols() && s.stride_e == rows() * cols() ? s : stack_by_copy();
 }
 
 const Experts::Stacked& Experts::stack_by_copy() {
   if (stack_.defined()) return *st_;
   stack_ = single_ ? w0_.clone(at::MemoryFormat::Contiguous) : at::stack({w0_, w1_});  // new: 16-byte aligned
-  st_ = Stacked{stack_.data_ptr(), single_ ? 1 : 2, rows() * cols(), cols()};
+  st_ = Stacked{stack_.data_ptr(), single_ ? 1 : 2, rows() * cols(), cols(), single_ ? 0 : 2};
   return *st_;
 }
 
@@ -448,7 +451,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
           .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
           .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
           .ptr(here.mask).i32(r.M)
-          .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(out.t.stride(0));
+          .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(out.t.stride(0)).i32(st.map);
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(n, c->block[1]);
       launch_on_current_stream("routed_linear_gather_tma_kernel",
                                make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(has_bias)}, {"cfg", c->cfg},
@@ -467,7 +470,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})  // wh_desc, as above
         .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(perm_arg(r, out.t)).ptr(seg_arg(r, out.t))
-        .i32(one_rows(r)).i32(n).i32(k).i32(out.t.stride(0));
+        .i32(one_rows(r)).i32(n).i32(k).i32(out.t.stride(0)).i32(st.map);
     const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(n, c.block[1]);  // persistent: any grid >= 1 covers all
     // An identity routing's token order is its expert order: its rows are written in place, not scattered.
     const bool scatter = !out.expert_ordered && !r.identity;
@@ -486,6 +489,9 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 }
 
 namespace {
+// The w_map argument of the unpaired gate/up kernels: each projection's expert order (kernels/gemm.py _swiglu_step).
+int swiglu_map(const Experts::Stacked& gate, const Experts::Stacked& up) { return gate.map | up.map << 2; }
+
 // Gate and up in one MMA of 2 x BLOCK_N columns (routed_swiglu_pair_tma_kernel and its backward twin) where
 // `kernel`'s table turns it on for m: one rank-4 descriptor [2, E, I, H] whose first dimension steps from one weight
 // tensor to the other (their distance in memory, which TMA takes when it is a multiple of 16 bytes below 2^40; the
@@ -501,15 +507,19 @@ struct Pair {
     args.tensor(lo.base, {2, lo.experts, I, H}, {dist, lo.stride_e, lo.ld, 1});
   }
 };
+// Whether two projections' stacked views share the strides and expert order of one descriptor.
+bool same_view(const Experts::Stacked& a, const Experts::Stacked& b) {
+  return a.experts == b.experts && a.stride_e == b.stride_e && a.ld == b.ld && a.map == b.map;
+}
+
 std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Experts& w3, int64_t m,
                             bool copy_to_pair) {
   const KernelConfig* pc = find_config(kernel, family(g), g.cc, m);
   if (!pc || config_off(*pc)) return std::nullopt;
-  if (copy_to_pair && (w1.stacked().stride_e != w3.stacked().stride_e || w1.stacked().ld != w3.stacked().ld)) {
-    // The descriptor shares one expert stride and row stride between the two projections, and their views may
-    // differ (one projection's experts adjacent in memory and read in place, the other's stacked by copy: that
-    // depends on where the weights lie). Both in the contiguous layout (a copy only where a view is not in it), the
-    // pair serves.
+  if (copy_to_pair && !same_view(w1.stacked(), w3.stacked())) {
+    // The descriptor shares one expert stride, row stride and expert order between the two projections, and their
+    // views may differ (e.g. separate tensors at different distances: that depends on where the weights lie). Both
+    // in the canonical contiguous layout (a copy only where a view is not in it), the pair serves.
     w1.stacked_contiguous();
     w3.stacked_contiguous();
   }
@@ -517,8 +527,7 @@ std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Expe
   const Experts::Stacked& s3 = w3.stacked();
   const intptr_t dist = reinterpret_cast<intptr_t>(s3.base) - reinterpret_cast<intptr_t>(s1.base);
   const uintptr_t adist = static_cast<uintptr_t>(dist < 0 ? -dist : dist);
-  if (s1.experts != s3.experts || s1.stride_e != s3.stride_e || s1.ld != s3.ld || adist == 0 || adist % 16 != 0 ||
-      adist >= (uintptr_t{1} << 40))
+  if (!same_view(s1, s3) || adist == 0 || adist % 16 != 0 || adist >= (uintptr_t{1} << 40))
     return std::nullopt;
   const bool up_first = dist < 0;
   return Pair{pc, up_first ? s3 : s1, static_cast<int64_t>(adist) / static_cast<int64_t>(c10::elementSize(g.dtype)),
@@ -547,7 +556,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
           .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
           .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
           .ptr(here.mask).i32(r.M)
-          .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0));
+          .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0)).i32(swiglu_map(s1, s3));
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(I, c->block[1]);
       launch_on_current_stream("routed_swiglu_gather_tma_kernel",
                                make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c->cfg},
@@ -568,7 +577,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
       pair->add_descriptor(args, I, H);
       pair->add_descriptor(args, I, H);  // w13h_desc: the split last round's half-width tiles
       args.ptr(h.data_ptr()).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
-          .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(pair->up_first ? 1 : 0);
+          .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(pair->up_first ? 1 : 0).i32(pair->lo.map);
       const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(I, pair->cfg->block[1]);
       launch_on_current_stream("routed_swiglu_pair_tma_kernel",
                                make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", pair->cfg->cfg}}), args,
@@ -582,7 +591,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
         .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
         .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
         .ptr(h.data_ptr()).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
-        .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0));
+        .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(swiglu_map(s1, s3));
     const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(I, c.block[1]);
     launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g, c), args,
                              grid(std::min<int64_t>(g.sms, tiles)), h);
@@ -620,7 +629,7 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
   args.tensor(x.data_ptr(), {x.size(0), H}, {x.stride(0), 1});
   pair->add_descriptor(args, I, H);
   args.ptr(h.data_ptr()).ptr(dup.data_ptr()).ptr(dgate.data_ptr()).ptr(r.seg.data_ptr())
-      .i32(I).i32(H).i32(h.stride(0)).i32(pair->up_first ? 1 : 0);
+      .i32(I).i32(H).i32(h.stride(0)).i32(pair->up_first ? 1 : 0).i32(pair->lo.map);
   const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(I, pair->cfg->block[1]);
   launch_on_current_stream("routed_swiglu_pair_bwd_tma_kernel",
                            make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", pair->cfg->cfg}}), args,

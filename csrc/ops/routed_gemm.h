@@ -151,20 +151,24 @@ class Experts {
   // Makes both experts contiguous (row stride = cols), e.g. to share one stride with another projection.
   void make_contiguous();
 
-  // The rank-3 TMA view: shape [E, R, C] (E = 1 single, 2 dual), strides [stride_e, ld, 1], elements.
-  // Zero-copy when w1 - w0 is a positive multiple of 16 bytes that does not overlap expert 0's rows (weights that
-  // are views of one [2, R, C] tensor, text at index 0) and the row stride is 16-byte aligned; otherwise the experts
-  // are stacked into a new [2, R, C] tensor: a copy of both weights per call (2*R*C elements), kept for the rest of
-  // the op (e.g. reused by the grad-input and the forward GEMMs of one call).
+  // The rank-3 TMA view: shape [E, R, C], strides [stride_e, ld, 1] (elements), from `base`, the lower of the two
+  // weights; `map` says which index holds which expert (kernels/gemm.py _w_index: bit e = the index of expert e;
+  // 2 = [text, vision], 1 = [vision, text], 0 = both experts are the one weight at index 0, also the single expert's).
+  // Zero-copy, whichever expert lies lower in memory, when both bases and the row stride are 16-byte aligned and the
+  // experts are |w1 - w0| apart (a multiple of 16 bytes, rows not overlapping, below TMA's 2^40-byte stride limit)
+  // or the same tensor: views of one [2, R, C] tensor in either expert order, or two separate tensors. Otherwise the
+  // experts are stacked into a new [2, R, C] tensor: a copy of both weights per call (2*R*C elements), kept for the
+  // rest of the op (e.g. reused by the grad-input and the forward GEMMs of one call).
   struct Stacked {
     const void* base;
     int64_t experts, stride_e, ld;
+    int map;
   };
   const Stacked& stacked();
   bool stacked_by_copy() const { return stack_.defined(); }
-  // The stacked view with the strides of a contiguous [E, R, C] tensor (stride_e = R * C, ld = C): stacked() where it
-  // already has them, else a copy. Two projections of one shape then share one expert stride and row stride (the
-  // paired gate/up kernels take one descriptor over both).
+  // The stacked view of a contiguous [E, R, C] tensor in the canonical order (stride_e = R * C, ld = C, text first;
+  // E = 1 only for a single expert): stacked() where it already is that, else a copy. Two projections of one shape
+  // then share one expert stride, row stride and order (the paired gate/up kernels take one descriptor over both).
   const Stacked& stacked_contiguous();
 
  private:
