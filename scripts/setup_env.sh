@@ -26,6 +26,13 @@ fi
 for mod in pytest setuptools wheel ninja numpy; do
   "$VPY" -c "import $mod" >/dev/null 2>&1 || "$VPY" -m pip install -q "$mod"
 done
+# transformers is optional (fused_ops.hf, tested by tests/test_hf_patch.py): installed when missing, never fatal.
+# A machine without a package index gets a warning, and those tests then show as skipped with the reason.
+if ! "$VPY" -c "import transformers" >/dev/null 2>&1; then
+  echo "[setup] installing transformers (optional dependency of fused_ops.hf)"
+  "$VPY" -m pip install -q --retries 1 --timeout 20 "transformers>=5" \
+    || echo "[setup] WARNING: could not install transformers; the fused_ops.hf tests will be skipped"
+fi
 echo "[setup] building fused_ops (AOT-compiling the Triton kernels, then the C++ op library)"
 # FUSED_BUILD_VERBOSE=1 shows the AOT progress and every compiler and linker command.
 ( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VPY" -m pip install --no-build-isolation --no-deps \
