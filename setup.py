@@ -68,8 +68,10 @@ setup(
     version="0.1.0",
     description="AOT-compiled Triton kernels for transformer blocks as torch.ops.fused.*",
     package_dir={"": "python"},
-    packages=["fused_ops"],
+    packages=["fused_ops", "fused_ops.models"],
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
     python_requires=">=3.9",
+    # `pip install .[hf]`: fused_ops.hf patches transformers models (the package itself never imports it)
+    extras_require={"hf": ["transformers>=5"]},
 )

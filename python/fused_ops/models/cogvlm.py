@@ -1,0 +1,202 @@
+"""A CogVLM-style decoder on the fused ops: the visual expert in attention and MLP, grouped-query attention, RoPE.
+
+One decoder layer (CogVLM2's, with `vision_expert=True`):
+
+    r   = fused_ops.route(mask)                        once per forward pass, shared by every routed op of every layer
+    a   = RMSNorm(x)                                   F.rms_norm
+    qkv = linear_dual(a, mask, W_qkv[vision], W_qkv[text], b_qkv_vision, None, routing=r)     [b, s, (hq + 2 hk) d]
+    q, k = rope_fwd_qk(view q, view k of qkv, freqs, "bshd")    one launch, reads the strided views in place
+    o   = SDPA(q, k, v, causal, GQA)                   keys/values through the KV cache when decoding
+    h   = x + linear_dual(o, mask, W_dense[vision], W_dense[text], routing=r)
+    y   = h + ffn(RMSNorm(h), mask, vision expert, text expert, routing=r)    DualExpertSwiGLU
+
+A single-expert model (`vision_expert=False`, a Llama layer) has nn.Linear QKV and dense projections and a
+FusedSwiGLU MLP, and takes no mask. Training works through every op (their autograd is registered in C++).
+
+Parameters (state dict keys, per layer `layers.{i}.`; expert index 0 = text, 1 = vision, as the kernels read them):
+    input_layernorm.weight, post_attention_layernorm.weight      [H]
+    self_attn.query_key_value.weight   [2, (hq + 2 hk) d, H]     (DualLinear; [(hq + 2 hk) d, H] nn.Linear if single)
+    self_attn.vision_qkv_bias          [(hq + 2 hk) d]           (qkv_bias; single expert: query_key_value.bias)
+    self_attn.dense.weight             [2, H, hq d]              (DualLinear; nn.Linear if single)
+    mlp.w1, mlp.w3 [2, I, H], mlp.w2 [2, H, I]                   (DualExpertSwiGLU; FusedSwiGLU [I, H] ... if single)
+and `norm.weight` [H] with final_norm. The language expert's QKV has no bias, as in CogVLM: the op is called with
+`bias_t=None`, so it stays exactly absent (and gets no gradient).
+
+`convert.py` maps these to and from CogVLM's own names (`cogvlm_reference.py`): `FusedCogVLM.from_reference`,
+`to_reference`, `load_reference_state_dict`.
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ffn import DualExpertSwiGLU, FusedSwiGLU
+from ..linear_dual import DualLinear
+from ..routing import route
+from .common import KVCache, causal_attention, check_inputs, rope_table
+from .config import CogVLMConfig
+
+__all__ = ["FusedCogVLM", "FusedDecoderLayer", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """`F.rms_norm` with a learned scale: torch's fused kernel where it has one (its math in float32 for 16-bit
+    inputs)."""
+
+    def __init__(self, size: int, eps: float, *, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.weight.shape[0],), self.weight, self.eps)
+
+
+class FusedAttention(nn.Module):
+    """Routed QKV -> RoPE on views of its output -> SDPA (GQA, causal, KV cache) -> routed dense."""
+
+    def __init__(self, config: CogVLMConfig, *, device=None, dtype=None):
+        super().__init__()
+        f = {"device": device, "dtype": dtype}
+        c = self.config = config
+        if c.vision_expert:
+            self.query_key_value = DualLinear(c.hidden, c.qkv_size, bias=False, **f)
+            if c.qkv_bias:  # the vision expert's only (CogVLM's language_expert_query_key_value has no bias)
+                bound = 1 / math.sqrt(c.hidden)  # nn.Linear's bias init
+                self.vision_qkv_bias = nn.Parameter(torch.empty(c.qkv_size, **f).uniform_(-bound, bound))
+            else:
+                self.register_parameter("vision_qkv_bias", None)
+            self.dense = DualLinear(c.q_size, c.hidden, bias=False, **f)
+        else:
+            self.query_key_value = nn.Linear(c.hidden, c.qkv_size, bias=c.qkv_bias, **f)
+            self.dense = nn.Linear(c.q_size, c.hidden, bias=False, **f)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], routing: Optional[torch.Tensor],
+                freqs: torch.Tensor, cache: Optional[KVCache], layer: int) -> torch.Tensor:
+        """x `[b, s, H]`; freqs float32 `[>= s, 1, 1, d]`, row j = the angles of the j-th new token's position."""
+        c = self.config
+        b, s, _ = x.shape
+        if c.vision_expert:
+            w_t, w_v = self.query_key_value.weight.unbind(0)  # views of one [2, N, K] tensor: no stacking copy
+            qkv = torch.ops.fused.linear_dual(x, mask, w_v, w_t, self.vision_qkv_bias, None, False, routing)
+        else:
+            qkv = self.query_key_value(x)
+        q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)  # strided views, no copy
+        q, k = torch.ops.fused.rope_fwd_qk(q.view(b, s, c.heads, c.head_dim), k.view(b, s, c.kv_heads, c.head_dim),
+                                           freqs, "bshd")  # contiguous [b, s, h, d] outputs
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.update(layer, k, v)
+        # SDPA's output is [b, s, hq, d] in memory for its fused backends: the transpose back is then a free view
+        o = causal_attention(q, k, v, past).transpose(1, 2).reshape(b, s, c.q_size)
+        return self.dense(o, mask, routing) if c.vision_expert else self.dense(o)
+
+
+class FusedDecoderLayer(nn.Module):
+    """RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU MLP (dual expert, or single) -> residual."""
+
+    def __init__(self, config: CogVLMConfig, *, device=None, dtype=None):
+        super().__init__()
+        f = {"device": device, "dtype": dtype}
+        self.config = config
+        self.input_layernorm = RMSNorm(config.hidden, config.rms_eps, **f)
+        self.self_attn = FusedAttention(config, **f)
+        self.post_attention_layernorm = RMSNorm(config.hidden, config.rms_eps, **f)
+        mlp = DualExpertSwiGLU if config.vision_expert else FusedSwiGLU
+        self.mlp = mlp(config.hidden, config.intermediate, **f)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], routing: Optional[torch.Tensor],
+                freqs: torch.Tensor, cache: Optional[KVCache] = None, layer: int = 0) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), mask, routing, freqs, cache, layer)
+        a = self.post_attention_layernorm(h)
+        return h + (self.mlp(a, mask, routing) if self.config.vision_expert else self.mlp(a))
+
+
+class FusedCogVLM(nn.Module):
+    """The decoder stack on the fused ops (see the module docstring).
+
+    Args:
+        config: sizes (`CogVLMConfig`, e.g. `COGVLM2_19B.replace(layers=2)`).
+        device, dtype: keyword-only factory arguments; dtype defaults to `config.dtype`.
+
+    `forward(x, mask=None, *, cache=None)`:
+        x: `[b, s, hidden]` hidden states (the embeddings); mask: bool `[b, s]`, True = the token goes through the
+        vision expert (CogVLM's `get_expert_mask(token_type_ids)`, `cogvlm_reference.get_expert_mask`), required with
+        the visual expert, None without; cache: a `KVCache` to decode with (positions continue at `cache.length`).
+        Returns `[b, s, hidden]` (after the final RMSNorm when config.final_norm). Wrong shapes, dtypes or devices
+        of x / mask / cache raise ValueError before anything runs.
+    """
+
+    def __init__(self, config: CogVLMConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        dtype = config.dtype if dtype is None else dtype
+        f = {"device": device, "dtype": dtype}
+        self.layers = nn.ModuleList(self._make_layer(config, f) for _ in range(config.layers))
+        self.norm = RMSNorm(config.hidden, config.rms_eps, **f) if config.final_norm else None
+        self._freqs: Optional[torch.Tensor] = None  # float32 angle table; not a buffer: .to(bf16) must not touch it
+
+    @staticmethod
+    def _make_layer(config: CogVLMConfig, factory: dict) -> nn.Module:
+        return FusedDecoderLayer(config, **factory)
+
+    def _routing(self, mask: torch.Tensor):
+        """What every routed op of every layer shares for one forward pass: the mask's routing."""
+        return route(mask)
+
+    def _rope(self, past: int, s: int, device):
+        """The RoPE input of the layers for new tokens at positions `[past, past + s)`: rows of the angle table.
+        (A slice rather than rope_fwd_qk's start_positions: one offset serves the whole batch, and start_positions'
+        value check would cost a host sync per layer on CUDA.)"""
+        need = past + s
+        if self._freqs is None or self._freqs.shape[0] < need or self._freqs.device != torch.device(device):
+            self._freqs = rope_table(self.config, -(-need // 1024) * 1024, device)  # grown in steps: decode reuses it
+        return self._freqs[past:need]
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, *,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        check_inputs(self.config, x, mask, cache, type(self).__name__)
+        routing = self._routing(mask) if self.config.vision_expert else None
+        past = cache.length if cache is not None else 0
+        rope = self._rope(past, x.shape[1], x.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, routing, rope, cache, i)
+        if cache is not None:
+            cache.length += x.shape[1]
+        return x if self.norm is None else self.norm(x)
+
+    # conversion from / to CogVLM's own module names (convert.py) --------------------------------------------------
+    @classmethod
+    def from_reference(cls, reference: nn.Module) -> "FusedCogVLM":
+        """A FusedCogVLM holding the weights of `reference` (a `CogVLMReference`, or any module with its `.config`
+        and state dict keys), on its device and dtype. Raises ValueError naming what does not match."""
+        config = getattr(reference, "config", None)
+        if not isinstance(config, CogVLMConfig):
+            raise ValueError(f"FusedCogVLM.from_reference: expected a module with a CogVLMConfig `.config` (e.g. "
+                             f"CogVLMReference), got {type(reference).__name__}")
+        from .convert import convert_state_dict
+        state = convert_state_dict(reference.state_dict(), config, to="fused")  # validates before building
+        p = next(iter(state.values()))
+        model = cls(config, device=p.device, dtype=p.dtype)
+        model.load_state_dict(state)
+        return model
+
+    def load_reference_state_dict(self, state_dict) -> None:
+        """Loads a state dict in CogVLM's names (`CogVLMReference.state_dict()`) into this model. Every key and shape
+        is checked first: on a mismatch it raises ValueError and the model is left unchanged."""
+        from .convert import convert_state_dict
+        self.load_state_dict(convert_state_dict(state_dict, self.config, to="fused"))
+
+    def to_reference(self) -> nn.Module:
+        """A `CogVLMReference` (plain PyTorch, CogVLM's module names) holding copies of this model's weights, on its
+        device and dtype."""
+        from .cogvlm_reference import CogVLMReference
+        from .convert import convert_state_dict
+        p = next(self.parameters())
+        ref = CogVLMReference(self.config, device=p.device, dtype=p.dtype)
+        ref.load_state_dict(convert_state_dict(self.state_dict(), self.config, to="reference"))
+        return ref
