@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
-# One GPU job: environment report, Liger-Kernel wheel, build + install, tests, RoPE benchmark,
-# routed-GEMM benchmarks (linear_dual, ffn).
+# One GPU job: environment report, Liger-Kernel wheel, build + install, tests, the main job (the model workload),
+# compute-sanitizer, RoPE benchmark, routed-GEMM benchmarks (linear_dual, ffn), the performance matrix.
 #
 #   OUT=/some/dir bash scripts/gpu_job.sh      # from anywhere; it cd's to the repository root
 #
 # On the device tool: run `bash scripts/gpu_job.sh` with carry=[".whl"] (the Liger wheel lives in the
 # git-ignored .whl/ folder; without it the benchmark just prints "liger-kernel not available").
 #
-# Files written to $OUT (8, the device tool brings back at most 8):
+# Files written to $OUT (everything but job.log is packed into $OUT/all.tgz at the end, PACK=0 keeps them apart:
+# the device tool brings back at most 8 files):
 #   job.log          environment, step timings and the final summary
 #   build.log        full (verbose) build output
-#   tests.log        pytest -m gpu, then the full suite (both include tests/test_linear_dual_ops.py and
-#                    tests/test_ffn_ops.py, which live in tests/ like every other test file)
-#                    The cpp step (scripts/cpp_example.sh: CMake build, ctest of examples/cpp on CPU and CUDA,
-#                    the installed package's consumer; then the deployment tests) writes here too.
-#   bench_rope.log   benchmark output
-#   bench_rope.json  all benchmark numbers, bench_rope.md its table, rope_sweep.png the sweep plot
-#   bench_routed.log benchmarks/bench_linear_dual.py then benchmarks/bench_ffn.py (tables and PASS/FAIL
-#                    targets; one file for both so that $OUT stays at 8 files)
+#   tests.log        pytest -m gpu (every test file's GPU tier), compute-sanitizer, the cpp step (scripts/cpp_example.sh:
+#                    CMake build, ctest of examples/cpp on CPU and CUDA, the installed package's consumer)
+#   model.log, model/  the main job (examples/model_workload.py): its table, model_workload.json / .png
+#   bench_rope.log   benchmark output; bench_rope.json all its numbers, bench_rope.md its table, rope_sweep.png
+#   bench_routed.log benchmarks/bench_linear_dual.py then benchmarks/bench_ffn.py (tables and PASS/FAIL targets)
+#   matrix.log, matrix/  benchmarks/bench_matrix.py: matrix.json / .md / .png
 #
 # BENCHES selects the benchmark steps (default all three): e.g. BENCHES="linear_dual ffn" gives the routed
 # benchmarks the time the RoPE benchmark would take. Each routed benchmark runs under `timeout 150`
@@ -45,6 +44,8 @@ TUNE_ARGS="${TUNE_ARGS:-}"                 # e.g. "--ops rope,linear --rep 20" (
 TUNE_S="${TUNE_S:-240}"                    # timeout of the tune step
 CPP_S="${CPP_S:-300}"                      # timeout of the cpp step (its deployment tests include a 4-minute AOTI build)
 TESTS_GPU_DESELECT="${TESTS_GPU_DESELECT:-}"  # test ids the tests-gpu step leaves out
+MODEL_ARGS="${MODEL_ARGS:-}"               # extra flags for examples/model_workload.py (e.g. --quick)
+MATRIX_ARGS="${MATRIX_ARGS:-}"             # extra flags for benchmarks/bench_matrix.py (e.g. --ops ffn_fwd --full)
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || { echo "cannot cd to the repository root"; exit 1; }
 REPO="$PWD"
@@ -56,7 +57,8 @@ JOB_LOG="$OUT/job.log"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
 export FUSED_BUILD_VERBOSE=1  # build.log gets the AOT progress and the compiler/linker commands
 export PIP_NO_INDEX=1   # no network on the GPU machine: never let pip wait on an index
-export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS TUNE_RESUME JOB_LOG TESTS_GPU_DESELECT
+export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS TUNE_RESUME JOB_LOG TESTS_GPU_DESELECT \
+    MODEL_ARGS MATRIX_ARGS
 
 SUMMARY=()
 say() { echo "$*" | tee -a "$JOB_LOG"; }
@@ -186,9 +188,6 @@ step_repro() {
     fi
 }
 
-step_main() {
-    "$PY" examples/transformer_block.py
-}
 
 step_cpp() {
     # The deployment paths (README, "Deployment"). 1. scripts/cpp_example.sh: the CMake build of the library and of
@@ -228,6 +227,32 @@ step_bench() {
         "$PY" benchmarks/bench_rope.py --out "$OUT" --budget-s "$budget" $BENCH_ARGS
 }
 
+step_main() {
+    # The main job (scripts/run.sh runs the same script): the model workload (examples/model_workload.py): CogVLM-style and Llama layers against the
+    # reference, sort + grouped_mm and torch.compile; its JSON and PNG go to $OUT/model/.
+    "$PY" examples/model_workload.py --out "$OUT/model" $MODEL_ARGS
+}
+
+step_matrix() {
+    # The performance matrix (benchmarks/bench_matrix.py): every op on the models' shapes, ratios to cuBLAS / copy
+    # bandwidth, host time per call; matrix.json / .md / .png in $OUT/matrix/. Stops starting cells before the timeout.
+    local budget=$(( STEP_TIMEOUT_S - 40 ))
+    (( budget < 30 )) && budget=30
+    "$PY" benchmarks/bench_matrix.py --out "$OUT/matrix" --budget-s "$budget" $MATRIX_ARGS
+}
+
+step_sanitizer() {
+    # compute-sanitizer memcheck and racecheck over the fuzzer's small cases (tests/fuzz.py --sanitizer).
+    local tool rc=0
+    command -v compute-sanitizer >/dev/null || { echo "compute-sanitizer NOT FOUND: skipped (not run)"; return 3; }
+    for tool in memcheck racecheck; do
+        echo "--- compute-sanitizer --tool $tool"
+        compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
+            "$PY" tests/fuzz.py --sanitizer --device cuda || rc=$?
+    done
+    return $rc
+}
+
 step_bench_linear_dual() {
     "$PY" benchmarks/bench_linear_dual.py $ROUTED_BENCH_ARGS
 }
@@ -260,7 +285,7 @@ step_tune() {
     done
 }
 
-export -f step_tune step_profile step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
+export -f step_matrix step_sanitizer step_tune step_profile step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
     step_bench_ffn step_cpp
 
 has_bench() { [[ " $BENCHES " == *" $1 "* ]]; }
@@ -288,13 +313,15 @@ export PY
 has_step diag && run_step diag         60    60    "$OUT/job.log"          1     step_diag
 has_step repro && run_step repro        60    60    "$OUT/tests.log"        1     step_repro
 has_step tests-gpu && run_step tests-gpu  500    40    "$OUT/tests.log"        1     step_tests_gpu
-has_step main && run_step main         60     0    "$OUT/tests.log"        1     step_main
+has_step main && run_step main   "${MODEL_S:-300}"  0    "$OUT/model.log"        1     step_main
+has_step sanitizer && run_step sanitizer  240  0    "$OUT/tests.log"        1     step_sanitizer
 has_step cpp && run_step cpp          "${CPP_S:-300}"     0    "$OUT/tests.log"        1     step_cpp
 has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/bench_rope.log" 1 step_bench
 has_step bench-linear && run_step bench-linear "$ROUTED_BENCH_S" $(( 15 + ROUTED_AFTER_LINEAR )) "$OUT/bench_routed.log" 1 step_bench_linear_dual
 has_step bench-ffn && run_step bench-ffn "$ROUTED_BENCH_S" 15 "$OUT/bench_routed.log" 1 step_bench_ffn
 has_step profile && run_step profile   90    0    "$OUT/bench_routed.log" 1     step_profile
 has_step tune && run_step tune   "$TUNE_S"    5    "$OUT/bench_routed.log" 1     step_tune
+has_step matrix && run_step matrix "${MATRIX_S:-400}" 0   "$OUT/matrix.log"       1     step_matrix
 
 {
     echo
@@ -314,6 +341,15 @@ has_step tune && run_step tune   "$TUNE_S"    5    "$OUT/bench_routed.log" 1    
     echo "--- routed-op test failures (tests.log):"
     routed_failed=$(grep -E '^(FAILED|ERROR) tests/test_(linear_dual|ffn)_ops\.py' "$OUT/tests.log" 2>/dev/null | sort -u)
     if [[ -n $routed_failed ]]; then head -n 40 <<<"$routed_failed"; else echo "(none)"; fi
-    echo "--- files in $OUT:"; ls -la "$OUT"
+    echo "--- model workload (model.log):"
+    grep -E "^(\||all checks|FAIL|CHECK)" "$OUT/model.log" 2>/dev/null | tail -n 40 || echo "(no model step)"
+    echo "--- matrix summary:"
+    sed -n '/^## Summary/,/^## Host/p' "$OUT/matrix/matrix.md" 2>/dev/null || echo "(no matrix)"
+    echo "--- files in $OUT:"; ls -laR "$OUT"
 } 2>&1 | tee -a "$JOB_LOG"
+# The device tool brings back at most 8 files: everything but job.log goes into one archive (PACK=0 keeps them).
+if [[ "${PACK:-1}" == 1 ]]; then
+    tar czf /tmp/gpu_job_all.tgz -C "$OUT" --exclude=job.log . && mv /tmp/gpu_job_all.tgz "$OUT/all.tgz" &&
+        find "$OUT" -mindepth 1 -maxdepth 1 ! -name all.tgz ! -name job.log -exec rm -rf {} +
+fi
 exit 0
