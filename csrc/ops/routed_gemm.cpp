@@ -501,6 +501,7 @@ struct Pair {
   Experts::Stacked lo;  // the weight tensor at the lower address
   int64_t dist;         // elements from it to the other one
   bool up_first;
+  at::Tensor storage;   // both projections copied into one [2, E, I, H] tensor by pair_of, else undefined
   // The box comes from the kernel's metadata: calling this twice gives the forward kernel both of its descriptors
   // over the same tensor (BLOCK_N columns, and BLOCK_N / 2 for a split last round).
   void add_descriptor(KernelArgs& args, int64_t I, int64_t H) const {
@@ -527,8 +528,16 @@ std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Expe
   const Experts::Stacked& s3 = w3.stacked();
   const intptr_t dist = reinterpret_cast<intptr_t>(s3.base) - reinterpret_cast<intptr_t>(s1.base);
   const uintptr_t adist = static_cast<uintptr_t>(dist < 0 ? -dist : dist);
-  if (!same_view(s1, s3) || adist == 0 || adist % 16 != 0 || adist >= (uintptr_t{1} << 40))
-    return std::nullopt;
+  if (!same_view(s1, s3) || adist == 0 || adist % 16 != 0 || adist >= (uintptr_t{1} << 40)) {
+    if (!copy_to_pair) return std::nullopt;  // the forward's unpaired kernel computes the same bits
+    // The backward pairs whatever the weights' addresses (its unpaired path rounds gate and up to the input dtype:
+    // the gradients would depend on where the weights lie, e.g. gate and up given as one tensor). Both projections in
+    // one new [2, E, I, H] tensor, text first: a copy, only where the weights' own addresses cannot serve.
+    const auto experts = [](Experts& w) { return w.single() ? w.w0().unsqueeze(0) : at::stack({w.w0(), w.w1()}); };
+    at::Tensor both = at::stack({experts(w1), experts(w3)});  // contiguous, 16-byte aligned
+    const int64_t E = both.size(1), I = w1.rows(), H = w1.cols();
+    return Pair{pc, Experts::Stacked{both.data_ptr(), E, I * H, H, w1.single() ? 0 : 2}, E * I * H, false, both};
+  }
   const bool up_first = dist < 0;
   return Pair{pc, up_first ? s3 : s1, static_cast<int64_t>(adist) / static_cast<int64_t>(c10::elementSize(g.dtype)),
               up_first};
@@ -620,8 +629,9 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
   for (const at::Tensor* t : {&h, &dup, &dgate})
     TORCH_INTERNAL_ASSERT(t->dim() == 2 && t->size(0) == r.M_pad && t->size(1) == I && t->stride(1) == 1 &&
                           t->stride(0) == h.stride(0));
-  // Always paired: the unpaired backward stores gate and up in the input dtype before the SwiGLU backward, so a
-  // fallback would make the gradients depend on the weights' addresses (test_weight_layout_does_not_change_results).
+  // Always paired where the pair kernel serves m (pair_of copies both weights into one tensor where their addresses do
+  // not serve): the unpaired backward stores gate and up in the input dtype before the SwiGLU backward, so a fallback
+  // would make the gradients depend on the weights' addresses (test_weight_layout_does_not_change_results).
   const std::optional<Pair> pair = pair_of("routed_swiglu_pair_bwd_tma_kernel", g, w1, w3, r.M, true);
   if (!pair) return false;
   ensure_routed(r);

@@ -18,7 +18,8 @@ struct DriverApi {
   decltype(&::cuGetErrorName) GetErrorName;
   decltype(&::cuInit) Init;
   decltype(&::cuCtxGetCurrent) CtxGetCurrent;
-  decltype(&::cuCtxSetCurrent) CtxSetCurrent;
+  decltype(&::cuCtxPushCurrent) CtxPushCurrent;
+  decltype(&::cuCtxPopCurrent) CtxPopCurrent;
   decltype(&::cuCtxGetDevice) CtxGetDevice;
   decltype(&::cuDeviceGet) DeviceGet;
   decltype(&::cuDeviceGetAttribute) DeviceGetAttribute;

@@ -38,6 +38,7 @@ struct Device {
   int max_shared_optin = 0;
   int sm_count = 0;
   std::string name;
+  CUcontext primary = nullptr;  // retained on first need, never released (torch keeps it alive as well)
 };
 
 struct LoadedFunction {
@@ -71,7 +72,7 @@ const std::unordered_map<std::string, std::vector<const KernelVariant*>>& varian
   return *index;
 }
 
-const Device& device_info(const DriverApi& api, int ordinal) {  // g_mutex held
+Device& device_info(const DriverApi& api, int ordinal) {  // g_mutex held
   auto it = g_devices.find(ordinal);
   if (it != g_devices.end()) return it->second;
   CUdevice dev;
@@ -103,27 +104,49 @@ const KernelImage* choose_image(const KernelVariant& v, const Device& d) {
   return nullptr;
 }
 
-CUcontext current_context(const DriverApi& api, int device) {
-  CUcontext ctx = nullptr;
-  check(api.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
-  if (ctx) {
-    CUdevice cur;
-    check(api.CtxGetDevice(&cur), "cuCtxGetDevice");
-    CUdevice want;
-    check(api.DeviceGet(&want, device), "cuDeviceGet");
-    if (cur == want) return ctx;
+// The context a launch on `device` runs in, current on this thread for the launch's scope: the thread's current
+// context when it is on `device` (torch's device guard made it so), else the device's primary context (the one the
+// CUDA runtime, and so torch, uses), pushed for the scope and popped again. A launch never changes the calling
+// thread's current context: the runtime reads the thread's current device from it, so leaving another one current
+// (cuCtxSetCurrent, as this did before) moved a caller without a device guard to another device behind torch's back.
+class LaunchContext {
+ public:
+  LaunchContext(const DriverApi& api, int device) : api_(api) {
+    check(api.CtxGetCurrent(&ctx_), "cuCtxGetCurrent");
+    if (ctx_) {
+      CUdevice cur, want;
+      check(api.CtxGetDevice(&cur), "cuCtxGetDevice");
+      check(api.DeviceGet(&want, device), "cuDeviceGet");
+      if (cur == want) return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      Device& d = device_info(api, device);
+      if (!d.primary) {
+        CUdevice dev;
+        check(api.DeviceGet(&dev, device), "cuDeviceGet");
+        check(api.DevicePrimaryCtxRetain(&d.primary, dev), "cuDevicePrimaryCtxRetain");
+      }
+      ctx_ = d.primary;
+    }
+    check(api.CtxPushCurrent(ctx_), "cuCtxPushCurrent");
+    pushed_ = true;
   }
-  // No context (or another device's) is current on this thread: use the device's primary context, as the CUDA
-  // runtime (and so torch) does.
-  CUdevice dev;
-  check(api.DeviceGet(&dev, device), "cuDeviceGet");
-  check(api.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-  check(api.CtxSetCurrent(ctx), "cuCtxSetCurrent");
-  return ctx;
-}
+  ~LaunchContext() {
+    CUcontext popped;
+    if (pushed_) api_.CtxPopCurrent(&popped);  // pops what the constructor pushed; a destructor does not throw
+  }
+  LaunchContext(const LaunchContext&) = delete;
+  LaunchContext& operator=(const LaunchContext&) = delete;
+  CUcontext get() const { return ctx_; }
 
-LoadedFunction get_function(const DriverApi& api, const KernelVariant& v, int device) {
-  CUcontext ctx = current_context(api, device);
+ private:
+  const DriverApi& api_;
+  CUcontext ctx_ = nullptr;
+  bool pushed_ = false;
+};
+
+LoadedFunction get_function(const DriverApi& api, const KernelVariant& v, int device, CUcontext ctx) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto key = std::make_pair(static_cast<const void*>(&v), static_cast<const void*>(ctx));
   auto it = g_functions.find(key);
@@ -250,7 +273,8 @@ void launch(const char* kernel, const std::string& key, const KernelArgs& args, 
     throw std::invalid_argument("fused: grid too large for " + std::string(kernel));
 
   const DriverApi& api = driver();
-  LoadedFunction lf = get_function(api, *chosen, device);
+  const LaunchContext ctx(api, device);  // current until the launch below has been issued
+  LoadedFunction lf = get_function(api, *chosen, device, ctx.get());
 
   // Pack the runtime parameters: the non-constant arguments in order (a tensor descriptor expands to its
   // CUtensorMap, then its shape as int32s and its strides as int64s), then Triton's two scratch pointers.
