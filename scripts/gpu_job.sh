@@ -44,6 +44,7 @@ TUNE_ARGS="${TUNE_ARGS:-}"                 # e.g. "--ops rope,linear --rep 20" (
 TUNE_S="${TUNE_S:-240}"                    # timeout of the tune step
 CPP_S="${CPP_S:-300}"                      # timeout of the cpp step (its deployment tests include a 4-minute AOTI build)
 TESTS_GPU_DESELECT="${TESTS_GPU_DESELECT:-}"  # test ids the tests-gpu step leaves out
+TESTS_GPU_PATHS="${TESTS_GPU_PATHS:-tests}"   # what the tests-gpu step runs (files or node ids; default every file)
 MODEL_ARGS="${MODEL_ARGS:-}"               # extra flags for examples/model_workload.py (e.g. --quick)
 MATRIX_ARGS="${MATRIX_ARGS:-}"             # extra flags for benchmarks/bench_matrix.py (e.g. --ops ffn_fwd --full)
 
@@ -57,6 +58,7 @@ JOB_LOG="$OUT/job.log"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
 export FUSED_BUILD_VERBOSE=1  # build.log gets the AOT progress and the compiler/linker commands
 export PIP_NO_INDEX=1   # no network on the GPU machine: never let pip wait on an index
+export TESTS_GPU_PATHS
 export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS TUNE_RESUME JOB_LOG TESTS_GPU_DESELECT \
     MODEL_ARGS MATRIX_ARGS
 
@@ -170,7 +172,7 @@ step_tests_gpu() {
     # the job must also tune); say so in the results, they were not run.
     local d deselect=()
     for d in ${TESTS_GPU_DESELECT:-}; do deselect+=(--deselect "$d"); done
-    "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests "${deselect[@]}"
+    "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu ${TESTS_GPU_PATHS:-tests} "${deselect[@]}"
     local rc=$?
     # The PDL checks of the compiled PTX (CPU tier, run by CI with its triton) again with the triton that built the
     # kernels this job just tested.
