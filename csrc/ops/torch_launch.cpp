@@ -1,6 +1,5 @@
 #include "ops/torch_launch.h"
 
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 namespace fused {
@@ -19,11 +18,10 @@ void launch_on_current_stream(const char* kernel, const std::string& key, const 
 
 bool current_stream_is_capturing(const at::Tensor& like) {
   // Ops call this before their own device guard (an input check). torch's default stream is the NULL handle, which
-  // the driver resolves in the thread's current context: without this guard, a thread whose current device is not
-  // like's (a fresh Python thread is on device 0) asked another device's stream, or failed with no context at all.
-  c10::cuda::CUDAGuard guard(like.device());
+  // the driver resolves in the current context: stream_is_capturing asks in like's device's context, also from a
+  // thread whose current device is another one (a fresh Python thread is on device 0) or that has none yet.
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.get_device()).stream();
-  return stream_is_capturing(reinterpret_cast<CUstream>(stream));
+  return stream_is_capturing(reinterpret_cast<CUstream>(stream), like.get_device());
 }
 
 }  // namespace fused

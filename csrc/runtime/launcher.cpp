@@ -248,9 +248,11 @@ bool set_programmatic_launch(bool enabled) { return g_pdl.exchange(enabled); }
 NoProgrammaticLaunch::NoProgrammaticLaunch() : prev_(t_no_pdl) { t_no_pdl = true; }
 NoProgrammaticLaunch::~NoProgrammaticLaunch() { t_no_pdl = prev_; }
 
-bool stream_is_capturing(CUstream stream) {
+bool stream_is_capturing(CUstream stream, int device) {
+  const DriverApi& api = driver();
+  const LaunchContext ctx(api, device);  // the NULL handle resolves in the current context: the device's
   CUstreamCaptureStatus status;
-  check(driver().StreamIsCapturing(stream, &status), "cuStreamIsCapturing");
+  check(api.StreamIsCapturing(stream, &status), "cuStreamIsCapturing");
   return status != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 

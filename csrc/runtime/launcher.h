@@ -87,8 +87,9 @@ class NoProgrammaticLaunch {
   bool prev_;
 };
 
-// Whether `stream` is capturing a CUDA graph.
-bool stream_is_capturing(CUstream stream);
+// Whether `stream` (of device `device`; the NULL handle is its default stream) is capturing a CUDA graph. Asked in the
+// device's context, whatever the calling thread's current one (none, in a fresh thread).
+bool stream_is_capturing(CUstream stream, int device);
 
 // "sm_80, sm_89, sm_90 (+PTX sm_80)": the architectures this build holds.
 const char* built_archs();
