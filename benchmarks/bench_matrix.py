@@ -9,16 +9,19 @@ Tokens M in {1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384}; masks rand50, sp
 tokens), vision10, vision90, all_text. The default grid measures every shape at every M with rand50, and the other
 masks at M = 1, 2048 and 8192; --full measures every mask at every M.
 
-Ops and anchors (the anchor is timed in the same run, paired call by call with the op: benchmarks/common.bench_pair):
-  linear_fwd   linear_dual forward (the op routes the mask)      / one cuBLAS F.linear over all M rows   (M > 64)
-  linear_bwd   linear_dual_backward (dx, dW of both experts)     / cuBLAS dx = dY·W and dW = dYᵀ·X, all rows
-  ffn_fwd      ffn, dual expert (all_text: the dual op, every token text) / cuBLAS useful GEMMs: x·[W1;W3]ᵀ then
-                                                                   ·W2ᵀ, all rows
-  ffn_bwd      ffn_backward                                      / the six GEMMs it needs in cuBLAS (dh, dW2, dx from
+Ops and anchors. The anchor of a compute cell (M > 64) is cuBLAS doing the op's useful work: per expert that has
+tokens, the GEMMs over that expert's rows, already gathered into contiguous tensors (the gather is not timed), with
+that expert's weights; it is timed in the same run, paired call by call with the op (benchmarks/common.bench_pair):
+  linear_fwd   linear_dual forward (the op routes the mask)      / F.linear(x_e, W_e) per expert
+  linear_bwd   linear_dual_backward (dx, dW of both experts)     / dx_e = dY_e·W_e and dW_e = dY_eᵀ·X_e per expert
+  ffn_fwd      ffn, dual expert (all_text: the dual op, every token text) / per expert x_e·[W1;W3]_eᵀ, then ·W2_eᵀ
+  ffn_bwd      ffn_backward                                      / per expert the six GEMMs it needs (dh, dW2, dx from
                                                                    gate and up as one GEMM, dW1 and dW3 as one)
   rope_fwd/bwd rope_fwd_qk / rope_bwd_qk of q and k (bshd)       / bytes read + written at copy bandwidth
 Decode cells (M <= 64) of linear_fwd and ffn_fwd are memory-bound: their value is the fraction of copy bandwidth at
-which the op reads the weights of the experts that have tokens (weights rotated past L2, so every call reads HBM).
+which the op reads the weights of the experts that have tokens (weights rotated past L2, so every call reads HBM;
+copy bandwidth counts bytes read + written, as in the routed benchmarks' decode targets); beside it, cuBLAS's fraction
+for one expert's weights (F.linear, or the eager MLP's three GEMMs) and the op's time over cuBLAS's.
 Backward cells start at M = 256 (training batches). A ratio above 1 is slower than the anchor.
 
 Host overhead: microseconds of CPU per call (the dispatcher, checks, allocation, config lookup, descriptor encoding,
@@ -140,9 +143,10 @@ def sets_for(nbytes, dev, cap=8):
 class Cell:
     """One measurement: fn and anchor over rotating argument sets, a check, and the bytes of weights it reads."""
 
-    def __init__(self, fn, anchor, arg_sets, check, weight_bytes=0, flops=0.0):
+    def __init__(self, fn, anchor, arg_sets, check, weight_bytes=0, flops=0.0, decode=False, one_expert_bytes=0):
         self.fn, self.anchor, self.arg_sets, self.check = fn, anchor, arg_sets, check
         self.weight_bytes, self.flops = weight_bytes, flops
+        self.decode, self.one_expert_bytes = decode, one_expert_bytes  # decode: anchor = cuBLAS on one expert
 
 
 def linear_cell(op, K, N, M, mask_kind, dev, gen):
@@ -166,24 +170,31 @@ def linear_cell(op, K, N, M, mask_kind, dev, gen):
         xd, wd = x.double(), w.double()
         return torch.where(mask[:, None], xd @ wd[1].T, xd @ wd[0].T)
 
+    rows = [(e, (mask if e else ~mask).nonzero().reshape(-1)) for e in (0, 1)]
+    rows = [(e, r) for e, r in rows if r.numel() > 0]
+    xe = {e: torch.randn(r.numel(), K, device=dev, dtype=dt) for e, r in rows}  # each expert's rows, contiguous
+    ge = {e: torch.randn(r.numel(), N, device=dev, dtype=dt) for e, r in rows}
     if op == "linear_fwd":
         def fn(x, w):
             return L.linear_dual(x, mask, w[1], w[0])
 
         def anchor(x, w):
+            return [F.linear(xe[e], w[e]) for e, _ in rows]
+
+        def one_expert(x, w):  # decode: cuBLAS on one expert's weights, all rows
             return F.linear(x, w[1])
 
         def check():
             x, w = arg_sets[0][:2]
             return rel_err(fn(x, w), ref_fwd(x, w))
-        return Cell(fn, None if decode else anchor, arg_sets, check, weight_bytes=experts_used * N * K * 2,
-                    flops=2.0 * M * N * K)
+        return Cell(fn, one_expert if decode else anchor, arg_sets, check, weight_bytes=experts_used * N * K * 2,
+                    flops=2.0 * M * N * K, decode=decode, one_expert_bytes=N * K * 2)
 
     def fn(x, w, g):
         return L.linear_dual_backward(g, x, mask, w[1], w[0], False, [True, True, True, False, False])
 
     def anchor(x, w, g):
-        return torch.mm(g, w[1]), torch.mm(g.t(), x)
+        return [(torch.mm(ge[e], w[e]), torch.mm(ge[e].t(), xe[e])) for e, _ in rows]
 
     def check():
         x, w, g = arg_sets[0]
@@ -231,29 +242,38 @@ def ffn_cell(op, H, I, M, mask_kind, dev, gen):  # noqa: E741
             outs.append((F.silu(xd @ w1.T) * (xd @ w3.T)) @ w2.T)
         return torch.where(mask[:, None], outs[1], outs[0])
 
-    # the anchors' weights: one expert's, gate and up concatenated (one GEMM of 2I columns), shared by every set
-    w13 = torch.cat([ws[0][0][1], ws[0][1][1]])
-    w2v = ws[0][2][1]
+    # the anchors: per expert with tokens, its rows as contiguous tensors and its weights, gate and up concatenated
+    # (one GEMM of 2I columns)
+    rows = [(e, (mask if e else ~mask).nonzero().reshape(-1)) for e in (0, 1)]
+    rows = [(e, r.numel()) for e, r in rows if r.numel() > 0]
+    w13 = {e: torch.cat([ws[0][0][e], ws[0][1][e]]) for e, _ in rows}
+    w2e = {e: ws[0][2][e] for e, _ in rows}
+    xe = {e: torch.randn(n, H, device=dev, dtype=dt) for e, n in rows}
     if op == "ffn_fwd":
         def anchor(x, w):
-            y = F.linear(x, w13)
-            return F.linear(y[:, :I], w2v)
+            return [F.linear(F.linear(xe[e], w13[e])[:, :I], w2e[e]) for e, _ in rows]
+
+        def one_expert(x, w):  # decode: the eager MLP's three GEMMs on one expert's weights (no activation)
+            y = F.linear(x, w13[rows[0][0]])
+            return F.linear(y[:, :I], w2e[rows[0][0]])
 
         def check():
             x, w = arg_sets[0][:2]
             return rel_err(call(x, w), ref(x, w))
-        return Cell(call, None if decode else anchor, arg_sets, check, weight_bytes=experts_used * wbytes,
-                    flops=6.0 * M * H * I)
+        return Cell(call, one_expert if decode else anchor, arg_sets, check, weight_bytes=experts_used * wbytes,
+                    flops=6.0 * M * H * I, decode=decode, one_expert_bytes=wbytes)
 
-    hs = [torch.randn(M, I, device=dev, dtype=dt) for _ in range(2)]
-    d13 = [torch.randn(M, 2 * I, device=dev, dtype=dt) for _ in range(2)]
+    ge = {e: torch.randn(n, H, device=dev, dtype=dt) for e, n in rows}
+    he = {e: torch.randn(n, I, device=dev, dtype=dt) for e, n in rows}
+    d13 = {e: torch.randn(n, 2 * I, device=dev, dtype=dt) for e, n in rows}
 
     def fn(x, w, g):
         w1, w3, w2 = w
         return L.ffn_backward(g, x, w1[1], w3[1], w2[1], mask, w1[0], w3[0], w2[0])
 
-    def anchor(x, w, g):  # dh = g·W2, dW2 = gᵀ·h, dx = [dgate dup]·[W1; W3], [dW1; dW3] = [dgate dup]ᵀ·x
-        return (torch.mm(g, w2v), torch.mm(g.t(), hs[0]), torch.mm(d13[0], w13), torch.mm(d13[1].t(), x))
+    def anchor(x, w, g):  # per expert: dh = g·W2, dW2 = gᵀ·h, dx = [dgate dup]·[W1; W3], [dW1; dW3] = [dgate dup]ᵀ·x
+        return [(torch.mm(ge[e], w2e[e]), torch.mm(ge[e].t(), he[e]), torch.mm(d13[e], w13[e]),
+                 torch.mm(d13[e].t(), xe[e])) for e, _ in rows]
 
     def check():
         x, w, g = arg_sets[0]
@@ -304,6 +324,14 @@ def measure(cell, copy_gbps, rep):
         ms = bench(cell.fn, cell.arg_sets, warmup=5, rep=rep)
         gbps = cell.weight_bytes / (ms * 1e-3) / 1e9
         return {"ms": ms, "value": gbps / copy_gbps, "kind": "copy_bw_fraction", "gbps": gbps}
+    if cell.decode:  # memory-bound: the op's fraction of copy bandwidth, and cuBLAS's on one expert beside it
+        pairs = bench_pair(cell.fn, cell.anchor, cell.arg_sets, warmup=5, rep=rep)
+        ms = statistics.median(a for a, _ in pairs)
+        anchor_ms = statistics.median(b for _, b in pairs)
+        gbps = cell.weight_bytes / (ms * 1e-3) / 1e9
+        return {"ms": ms, "value": gbps / copy_gbps, "kind": "copy_bw_fraction", "gbps": gbps,
+                "anchor_ms": anchor_ms, "cublas_fraction": cell.one_expert_bytes / (anchor_ms * 1e-3) / 1e9 / copy_gbps,
+                "vs_cublas": statistics.median(a / b for a, b in pairs)}
     pairs = bench_pair(cell.fn, cell.anchor, cell.arg_sets, warmup=5, rep=rep)
     ratio = statistics.median(a / b for a, b in pairs)
     ms = statistics.median(a for a, _ in pairs)
@@ -312,7 +340,7 @@ def measure(cell, copy_gbps, rep):
             "tflops": cell.flops / (ms * 1e-3) / 1e12 if cell.flops else None}
 
 
-def host_overhead(dev, calls=200):
+def host_overhead(dev, calls=40):
     """CPU microseconds per call at M = 1 with the GPU kept busy (so no call waits on the device)."""
     import torch
     import torch.nn.functional as F
@@ -349,8 +377,8 @@ def host_overhead(dev, calls=200):
                 fn()
             torch.cuda.synchronize()
             samples = []
-            for _ in range(5):
-                _hold_gpu(50.0)
+            for _ in range(7):  # the GPU spins while the calls enqueue (40 x 5 launches stays far below the queue)
+                _hold_gpu(30.0)
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     fn()
@@ -379,6 +407,11 @@ def summarize(cells):
                 w = worst(vals, key=lambda c: c["value"])
                 s[kind] = {"cells": len(vals), "geomean": geomean([c["value"] for c in vals]),
                            "worst": w["value"], "worst_cell": f"{w['shape']} M={w['M']} {w['mask']}"}
+        m1 = [c for c in mine if c["M"] == 1 and "vs_cublas" in c]
+        if m1:  # one token reads one expert: the op against cuBLAS on that expert's weights
+            w = max(m1, key=lambda c: c["vs_cublas"])
+            s["m1_vs_cublas"] = {"cells": len(m1), "geomean": geomean([c["vs_cublas"] for c in m1]),
+                                 "worst": w["vs_cublas"], "worst_cell": f"{w['shape']} M=1 {w['mask']}"}
         errors = [c for c in cells if c["op"] == op and "error" in c]
         if errors:
             s["errors"] = len(errors)
@@ -393,9 +426,10 @@ def markdown(meta, cells, summary, host):
              f"{meta['cells']} cells in {meta['seconds']:.0f} s. Ratio cells: op time / cuBLAS time of the same "
              "useful work, paired (lower is better, 1.00 = cuBLAS). Bandwidth cells (decode, M <= 64; RoPE): "
              "fraction of copy bandwidth (higher is better).", "", "## Summary", "",
-             "| op | kind | cells | geometric mean | worst | worst cell | errors |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| op | kind | cells | geometric mean | worst | worst cell | errors |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for op, s in summary.items():
-        for kind in ("ratio_to_cublas", "copy_bw_fraction"):
+        for kind in ("ratio_to_cublas", "copy_bw_fraction", "m1_vs_cublas"):
             if kind in s:
                 k = s[kind]
                 lines.append(f"| {op} | {kind} | {k['cells']} | {k['geomean']:.3f} | {k['worst']:.3f} | "
@@ -419,9 +453,13 @@ def markdown(meta, cells, summary, host):
                 for M in MS:
                     c = row.get(M)
                     vals.append("" if c is None else "ERR" if "error" in c else
-                                f"{c['value']:.2f}" + ("b" if c["kind"] == "copy_bw_fraction" else ""))
+                                f"{c['value']:.2f}" if c["kind"] != "copy_bw_fraction" else
+                                f"{c['value']:.2f}b" + (f" ({c['cublas_fraction']:.2f})" if "cublas_fraction" in c
+                                                        else ""))
                 lines.append(f"| {shape} | {mask} | " + " | ".join(vals) + " |")
-    lines += ["", "Values ending in b are fractions of copy bandwidth; the others are ratios to cuBLAS."]
+    lines += ["", "Values ending in b are fractions of copy bandwidth (in parentheses: cuBLAS's on one expert's weights, "
+              "F.linear or the MLP's GEMMs); the others are ratios to cuBLAS's per-expert GEMMs. m1_vs_cublas: one "
+              "token's op time over cuBLAS's on its expert's weights."]
     return "\n".join(lines) + "\n"
 
 
