@@ -1,6 +1,6 @@
 """PT2 deployment of the example block (examples/block_model.py: rope_fwd + linear_dual + dual and single ffn):
 torch.compile(fullgraph=True, dynamic=True) with aot_eager and with the default inductor backend, forward and
-gradients, compiled once for every length; torch.export, with the fused ops in the exported graph, static and with
+gradients, one compilation for every training shape and one for inference at every length; torch.export, with the fused ops in the exported graph, static and with
 dynamic batch and sequence (one program for every length), saved and loaded in a fresh process; an AOTInductor
 (aoti_compile_and_package) package of dynamic batch and sequence, built once and run at every length in a fresh
 process without Triton.
@@ -56,8 +56,8 @@ def check_compiled_block(device, backend):
       backed dimension, which compiles once more; below);
     - inference at every length of LENGTHS, 1 to 8192 tokens, with torch.fx.experimental._config.backed_size_oblivious
       (no 0/1 specialization). Training with that flag and inductor fails an input stride assert in the backward in
-      torch 2.14 (AOTAutograd restrides the saved activations to the forward's strides evaluated at the traced size),
-      so it is left out here (README, Deployment)."""
+      torch 2.14 (AOTAutograd's backward compile restrides saved activations to the forward's output strides taken at
+      the traced size: torch/_functorch/_aot_autograd/graph_compile.py), so it is left out (README, Deployment)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
