@@ -48,6 +48,20 @@ class FusedBlock(nn.Module):
         return y + self.mlp(y)
 
 
+#: (batch, seq) of 1, 7, 300, 4096 and 8192 tokens: the lengths that one exported program, one AOTInductor package and
+#: one torch.compile(dynamic=True) graph of the block serve (tests/test_deploy_pt2.py, examples/cpp). The first has no
+#: size 1: torch.compile traces the first, and torch specializes a dimension of size 1 it traces.
+LENGTHS = ((2, 150), (1, 1), (1, 7), (2, 2048), (1, 8192))
+
+
+def dynamic_shapes(max_batch: int = 64, max_seq: int = 8192):
+    """torch.export's `dynamic_shapes` of `FusedBlock.forward(x, mask, freqs)`: batch and sequence dynamic (from 1),
+    shared by x [b, s, hidden], mask [b, s] and freqs [s, 1, 1, head_dim]."""
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    seq = torch.export.Dim("seq", min=1, max=max_seq)
+    return ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: seq})
+
+
 def make_inputs(block: FusedBlock, batch: int = 2, seq: int = 8, *, device="cpu", dtype=torch.float32,
                 seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random non-zero x, a random mask holding both experts, and the block's freqs. Also re-draws the block's
@@ -58,7 +72,8 @@ def make_inputs(block: FusedBlock, batch: int = 2, seq: int = 8, *, device="cpu"
             p.copy_(torch.empty(p.shape).uniform_(-0.15, 0.15, generator=g))
     x = torch.randn(batch, seq, block.heads * block.head_dim, generator=g)
     mask = torch.rand(batch, seq, generator=g) < 0.5
-    mask.view(-1)[:2] = torch.tensor([True, False])  # both experts always present
+    both = torch.tensor([True, False])  # both experts always present (from two tokens on)
+    mask.view(-1)[:2] = both[:mask.numel()]
     freqs = fused_ops.RotaryPositionEmbedding(block.head_dim, device="cpu")(seq)
     return x.to(device=device, dtype=dtype), mask.to(device), freqs.to(device)
 

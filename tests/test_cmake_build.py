@@ -1,7 +1,8 @@
 """CMakeLists.txt builds the same op library for libtorch C++ users, and the C++ deployment examples with it.
 
 One build (sm_90 only, in a tmp folder) serves every test here: the library loads from Python; `ctest` runs the C++
-examples (examples/cpp: TorchScript and AOTInductor inference, training) on the CPU, and on CUDA when a GPU is visible
+examples (examples/cpp: TorchScript inference, AOTInductor inference of one package at every length from 1 to 8192
+tokens, training) on the CPU, and on CUDA when a GPU is visible
 (skipped otherwise, and checked to be reported as skipped); and the installed package config works for a separate
 consumer project (find_package + target_link_libraries), whose program runs without LD_LIBRARY_PATH.
 
@@ -92,6 +93,11 @@ def test_ctest_runs_the_cpp_examples(cmake_build):
     assert "fused_infer (TorchScript, cpu): all checks passed" in r.stdout
     assert "fused_train (cpu): all checks passed" in r.stdout
     assert re.search(r"fused_infer \(AOTInductor \S*block_cpu\.pt2\): all checks passed", r.stdout)
+    # one package (dynamic batch and sequence) served every length that export_model.py saved
+    for tokens in (1, 7, 300, 4096, 8192):
+        assert re.search(rf"ok +float32 output vs Python's float64 reference at {tokens} tokens", r.stdout), tokens
+    if CUDA:
+        assert re.search(r"fused_infer \(AOTInductor \S*block_cuda\.pt2\): all checks passed", r.stdout)
 
 
 def test_installed_package_config_for_a_consumer(cmake_build, tmp_path):

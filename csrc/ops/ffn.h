@@ -10,15 +10,31 @@
 
 namespace fused {
 
-struct FfnGeometry {
-  int64_t M;  // rows: the product of x's leading dimensions
-  int64_t H;  // hidden size
-  int64_t I;  // intermediate size
+template <typename Int>
+struct FfnGeometryOf {
+  Int M;      // rows: the product of x's leading dimensions
+  Int H;      // hidden size
+  Int I;      // intermediate size
   bool dual;  // u1/u3/u2 and mask given
 };
+using FfnGeometry = FfnGeometryOf<int64_t>;
+using FfnSymGeometry = FfnGeometryOf<c10::SymInt>;
 
-// Shapes, dtypes, devices and the single/dual-expert argument rules (no data read; also run by the Meta kernels).
-// routing: the dual expert's only, fused.route(mask)'s (check_routing in csrc/ops/routed_gemm.h).
+// Shapes, dtypes, devices and the single/dual-expert argument rules (no data read). routing: the dual expert's only,
+// fused.route(mask)'s (check_routing in csrc/ops/routed_gemm.h). The _symint checks read symbolic sizes (the Meta
+// kernels) and guard only the relations the op needs (csrc/ops/routed_gemm.h, sym_equal); the others are the same
+// checks on concrete tensors (the CPU and CUDA kernels).
+FfnSymGeometry check_ffn_inputs_symint(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
+                                       const at::Tensor& w2, const std::optional<at::Tensor>& mask,
+                                       const std::optional<at::Tensor>& u1, const std::optional<at::Tensor>& u3,
+                                       const std::optional<at::Tensor>& u2, const std::optional<at::Tensor>& routing);
+FfnSymGeometry check_ffn_backward_inputs_symint(const at::Tensor& grad_out, const at::Tensor& x,
+                                                const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
+                                                const std::optional<at::Tensor>& mask,
+                                                const std::optional<at::Tensor>& u1,
+                                                const std::optional<at::Tensor>& u3,
+                                                const std::optional<at::Tensor>& u2,
+                                                const std::optional<at::Tensor>& routing);
 FfnGeometry check_ffn_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
                              const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
                              const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2,

@@ -1,4 +1,5 @@
-// Meta (shape) kernels of the ffn ops: torch.compile, torch.export and fake tensors trace through them.
+// Meta (shape) kernels of the ffn ops: torch.compile, torch.export and fake tensors trace through them. Sizes stay
+// symbolic (sym_sizes, *_symint): one trace serves every batch and sequence length.
 #include <torch/library.h>
 
 #include "ops/ffn.h"
@@ -8,20 +9,20 @@ using at::Tensor;
 
 Tensor fwd(const Tensor& x, FUSED_FFN_ARGS, const std::optional<Tensor>& routing) {
   (void)allow_tf32;
-  fused::check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2, routing);
-  return at::empty(x.sizes(), x.options());
+  fused::check_ffn_inputs_symint(x, w1, w3, w2, mask, u1, u3, u2, routing);
+  return at::empty_symint(x.sym_sizes(), x.options());
 }
 
 fused::FfnGrads bwd(const Tensor& grad_out, const Tensor& x, FUSED_FFN_ARGS, fused::FfnOutputMask output_mask,
                     const std::optional<Tensor>& routing) {
   (void)allow_tf32;
-  const auto g = fused::check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2, routing);
+  const auto g = fused::check_ffn_backward_inputs_symint(grad_out, x, w1, w3, w2, mask, u1, u3, u2, routing);
   const auto opt = x.options();
-  const auto out = [&](int i, at::IntArrayRef size) {
-    return output_mask[i] && (i < 4 || g.dual) ? at::empty(size, opt) : Tensor();
+  const auto out = [&](int i, c10::SymIntArrayRef size) {
+    return output_mask[i] && (i < 4 || g.dual) ? at::empty_symint(size, opt) : Tensor();
   };
-  return {out(0, x.sizes()),   out(1, {g.I, g.H}), out(2, {g.I, g.H}), out(3, {g.H, g.I}),
-          out(4, {g.I, g.H}), out(5, {g.I, g.H}), out(6, {g.H, g.I})};
+  return {out(0, x.sym_sizes()), out(1, {g.I, g.H}), out(2, {g.I, g.H}), out(3, {g.H, g.I}),
+          out(4, {g.I, g.H}),    out(5, {g.I, g.H}), out(6, {g.H, g.I})};
 }
 }  // namespace
 

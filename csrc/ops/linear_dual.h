@@ -10,14 +10,26 @@
 
 namespace fused {
 
-struct LinearDualGeometry {
-  int64_t M;  // rows: the product of x's leading dimensions
-  int64_t K;  // in features
-  int64_t N;  // out features
+template <typename Int>
+struct LinearDualGeometryOf {
+  Int M;  // rows: the product of x's leading dimensions
+  Int K;  // in features
+  Int N;  // out features
 };
+using LinearDualGeometry = LinearDualGeometryOf<int64_t>;
+using LinearDualSymGeometry = LinearDualGeometryOf<c10::SymInt>;
 
-// Shapes, dtypes and devices (no data read; also run by the Meta kernels). A missing bias counts as zero, so one
-// of the two biases may be given alone.
+// Shapes, dtypes and devices (no data read). A missing bias counts as zero, so one of the two biases may be given
+// alone. The _symint checks read symbolic sizes (the Meta kernels: torch.export / torch.compile with dynamic shapes)
+// and guard only the relations the op needs (csrc/ops/routed_gemm.h, sym_equal); the others are the same checks on
+// concrete tensors (the CPU and CUDA kernels).
+LinearDualSymGeometry check_linear_dual_inputs_symint(const at::Tensor& x, const at::Tensor& mask,
+                                                      const at::Tensor& weight_v, const at::Tensor& weight_t,
+                                                      const std::optional<at::Tensor>& bias_v,
+                                                      const std::optional<at::Tensor>& bias_t);
+LinearDualSymGeometry check_linear_dual_backward_inputs_symint(const at::Tensor& grad_out, const at::Tensor& x,
+                                                               const at::Tensor& mask, const at::Tensor& weight_v,
+                                                               const at::Tensor& weight_t);
 LinearDualGeometry check_linear_dual_inputs(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                                             const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                                             const std::optional<at::Tensor>& bias_t);

@@ -9,15 +9,19 @@ namespace fused {
 
 enum class RopeFormat { SBHD, BSHD, THD };
 
-// Everything the backends need to know about one rope call, after validation.
-struct RopeGeometry {
+// Everything the backends need to know about one rope call, after validation; RopeSymGeometry has the symbolic sizes
+// of a Meta kernel's tensors (torch.export / torch.compile with dynamic shapes).
+template <typename Int>
+struct RopeGeometryOf {
   RopeFormat format;
-  int64_t S;     // sequence length (sbhd/bshd); 0 for thd
-  int64_t B;     // batch (sbhd/bshd) or number of packed sequences (thd)
-  int64_t rows;  // tokens: S*B, or t for thd
-  int64_t H, D, D2;
-  int64_t s_max;  // positions available in freqs
+  Int S;     // sequence length (sbhd/bshd); 0 for thd
+  Int B;     // batch (sbhd/bshd) or number of packed sequences (thd)
+  Int rows;  // tokens: S*B, or t for thd
+  Int H, D, D2;
+  Int s_max;  // positions available in freqs
 };
+using RopeGeometry = RopeGeometryOf<int64_t>;
+using RopeSymGeometry = RopeGeometryOf<c10::SymInt>;
 
 struct RopeOptions {
   std::string tensor_format;
@@ -31,9 +35,19 @@ struct RopeOptions {
 // Strides of `x` over (s or t, b, h, d) for the kernel; b is 0 for thd.
 std::array<int64_t, 4> rope_strides(const at::Tensor& x, RopeFormat f);
 
-// Shape, dtype and device checks that need no data (also run by the Meta kernels). `what` names the tensor.
+// Shape, dtype and device checks that need no data. `what` names the tensor. The _symint one reads symbolic sizes
+// (the Meta kernels) and guards only what the kernel needs: a sequence that fits in freqs, an even local length under
+// context parallelism; the other runs the same checks on concrete tensors (the CPU and CUDA kernels).
+RopeSymGeometry check_rope_inputs_symint(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o,
+                                         const char* what);
 RopeGeometry check_rope_inputs(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o,
                                const char* what);
+// rope_*_qk: both checked as above, on one device and of one dtype, agreeing in every dimension but heads. Returns
+// q's geometry.
+RopeSymGeometry check_rope_qk_inputs_symint(const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs,
+                                            const RopeOptions& o);
+RopeGeometry check_rope_qk_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs,
+                                  const RopeOptions& o);
 
 // The checks that read cu_seqlens / start_positions values. On CUDA tensors they cost a device-to-host copy
 // (a host sync), so the CUDA path runs them only while sync checks are on (see set_sync_checks).

@@ -20,9 +20,9 @@ std::array<int64_t, 4> rope_strides(const at::Tensor& x, RopeFormat f) {
   }
 }
 
-RopeGeometry check_rope_inputs(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o,
-                               const char* what) {
-  RopeGeometry g{};
+RopeSymGeometry check_rope_inputs_symint(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o,
+                                         const char* what) {
+  RopeSymGeometry g{};
   if (o.tensor_format == "sbhd") g.format = RopeFormat::SBHD;
   else if (o.tensor_format == "bshd") g.format = RopeFormat::BSHD;
   else if (o.tensor_format == "thd") g.format = RopeFormat::THD;
@@ -31,25 +31,27 @@ RopeGeometry check_rope_inputs(const at::Tensor& t, const at::Tensor& freqs, con
 
   TORCH_CHECK(t.dim() == (thd ? 3 : 4), "rope: ", what, " must have ", thd ? 3 : 4, " dimensions for tensor_format='",
               o.tensor_format, "' (", thd ? "[t, h, d]" : (g.format == RopeFormat::SBHD ? "[s, b, h, d]" : "[b, s, h, d]"),
-              "), got shape ", t.sizes());
+              "), got shape ", t.sym_sizes());
   const auto dt = t.scalar_type();
   const bool cpu_like = t.device().is_cpu() || t.device().is_meta();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || (cpu_like && dt == at::kDouble),
               "rope: ", what, " must be float32, float16 or bfloat16", cpu_like ? " (or float64 on the CPU)" : "",
               ", got ", dt);
-  TORCH_CHECK(freqs.dim() == 4 && freqs.size(1) == 1 && freqs.size(2) == 1,
-              "rope: freqs must have shape [s_max, 1, 1, d2], got ", freqs.sizes());
+  TORCH_CHECK(freqs.dim() == 4, "rope: freqs must have shape [s_max, 1, 1, d2], got ", freqs.sym_sizes());
+  TORCH_SYM_CHECK(freqs.sym_size(1).sym_eq(1).sym_and(freqs.sym_size(2).sym_eq(1)),
+                  "rope: freqs must have shape [s_max, 1, 1, d2], got ", freqs.sym_sizes());
   TORCH_CHECK(freqs.scalar_type() == at::kFloat, "rope: freqs must be float32, got ", freqs.scalar_type());
   TORCH_CHECK(freqs.device() == t.device(), "rope: freqs is on ", freqs.device(), " but ", what, " is on ",
               t.device());
 
-  g.H = t.size(thd ? 1 : 2);
-  g.D = t.size(thd ? 2 : 3);
-  g.D2 = freqs.size(3);
-  g.s_max = freqs.size(0);
-  TORCH_CHECK(g.D2 > 0 && g.D2 % 2 == 0, "rope: freqs' last dimension d2 must be a positive even number, got ", g.D2);
-  TORCH_CHECK(g.D2 <= g.D, "rope: freqs' last dimension d2 = ", g.D2, " exceeds the head dimension d = ", g.D,
-              " of ", what);
+  g.H = t.sym_size(thd ? 1 : 2);
+  g.D = t.sym_size(thd ? 2 : 3);
+  g.D2 = freqs.sym_size(3);
+  g.s_max = freqs.sym_size(0);
+  TORCH_SYM_CHECK(g.D2.sym_gt(0).sym_and((g.D2 % 2).sym_eq(0)),
+                  "rope: freqs' last dimension d2 must be a positive even number, got ", g.D2);
+  TORCH_SYM_CHECK(g.D2.sym_le(g.D), "rope: freqs' last dimension d2 = ", g.D2, " exceeds the head dimension d = ", g.D,
+                  " of ", what);
   TORCH_CHECK(o.cp_size >= 1, "rope: cp_size must be >= 1, got ", o.cp_size);
   TORCH_CHECK(o.cp_rank >= 0 && o.cp_rank < o.cp_size, "rope: cp_rank must be in [0, cp_size = ", o.cp_size,
               "), got ", o.cp_rank);
@@ -58,31 +60,64 @@ RopeGeometry check_rope_inputs(const at::Tensor& t, const at::Tensor& freqs, con
     TORCH_CHECK(o.cu_seqlens.has_value(), "rope: tensor_format='thd' needs cu_seqlens");
     const at::Tensor& cu = *o.cu_seqlens;
     TORCH_CHECK(cu.scalar_type() == at::kInt, "rope: cu_seqlens must be int32, got ", cu.scalar_type());
-    TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, "rope: cu_seqlens must have shape [b + 1], got ", cu.sizes());
+    TORCH_CHECK(cu.dim() == 1, "rope: cu_seqlens must have shape [b + 1], got ", cu.sym_sizes());
+    TORCH_SYM_CHECK(cu.sym_size(0).sym_ge(1), "rope: cu_seqlens must have shape [b + 1], got ", cu.sym_sizes());
     TORCH_CHECK(cu.device() == t.device(), "rope: cu_seqlens is on ", cu.device(), " but ", what, " is on ",
                 t.device());
-    g.B = cu.size(0) - 1;
+    g.B = cu.sym_size(0) - 1;
     g.S = 0;
-    g.rows = t.size(0);
+    g.rows = t.sym_size(0);
   } else {
     TORCH_CHECK(!o.cu_seqlens.has_value(), "rope: cu_seqlens is only used with tensor_format='thd'");
-    g.S = t.size(g.format == RopeFormat::SBHD ? 0 : 1);
-    g.B = t.size(g.format == RopeFormat::SBHD ? 1 : 0);
+    g.S = t.sym_size(g.format == RopeFormat::SBHD ? 0 : 1);
+    g.B = t.sym_size(g.format == RopeFormat::SBHD ? 1 : 0);
     g.rows = g.S * g.B;
-    TORCH_CHECK(o.cp_size == 1 || g.S % 2 == 0, "rope: with cp_size > 1 the local sequence length must be even, got ",
-                g.S);
-    TORCH_CHECK(g.S * o.cp_size <= g.s_max || g.rows == 0, "rope: freqs has ", g.s_max,
-                " positions but the sequence needs ", g.S * o.cp_size, " (s * cp_size)");
+    if (o.cp_size > 1)  // (a guard on a dynamic length only then: the kernel splits each local sequence in halves)
+      TORCH_SYM_CHECK((g.S % 2).sym_eq(0), "rope: with cp_size > 1 the local sequence length must be even, got ", g.S);
+    TORCH_SYM_CHECK((g.S * o.cp_size).sym_le(g.s_max).sym_or(g.rows.sym_eq(0)), "rope: freqs has ", g.s_max,
+                    " positions but the sequence needs ", g.S * o.cp_size, " (s * cp_size)");
   }
   if (o.start_positions.has_value()) {
     const at::Tensor& sp = *o.start_positions;
     TORCH_CHECK(sp.scalar_type() == at::kInt, "rope: start_positions must be int32, got ", sp.scalar_type());
-    TORCH_CHECK(sp.dim() == 1 && sp.size(0) == g.B, "rope: start_positions must have shape [b] = [", g.B, "], got ",
-                sp.sizes());
+    TORCH_CHECK(sp.dim() == 1, "rope: start_positions must have shape [b] = [", g.B, "], got ", sp.sym_sizes());
+    TORCH_SYM_CHECK(sp.sym_size(0).sym_eq(g.B), "rope: start_positions must have shape [b] = [", g.B, "], got ",
+                    sp.sym_sizes());
     TORCH_CHECK(sp.device() == t.device(), "rope: start_positions is on ", sp.device(), " but ", what, " is on ",
                 t.device());
   }
   return g;
+}
+
+namespace {
+RopeGeometry concrete(const RopeSymGeometry& g) {
+  return {g.format,         g.S.expect_int(), g.B.expect_int(),  g.rows.expect_int(),
+          g.H.expect_int(), g.D.expect_int(), g.D2.expect_int(), g.s_max.expect_int()};
+}
+}  // namespace
+
+RopeGeometry check_rope_inputs(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o,
+                               const char* what) {
+  return concrete(check_rope_inputs_symint(t, freqs, o, what));
+}
+
+RopeSymGeometry check_rope_qk_inputs_symint(const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs,
+                                            const RopeOptions& o) {
+  TORCH_CHECK(k.device() == q.device(), "rope: k is on ", k.device(), " but q is on ", q.device());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "rope: k has dtype ", k.scalar_type(), " but q has ",
+              q.scalar_type());
+  const RopeSymGeometry gq = check_rope_inputs_symint(q, freqs, o, "q");
+  const RopeSymGeometry gk = check_rope_inputs_symint(k, freqs, o, "k");
+  TORCH_SYM_CHECK(gk.rows.sym_eq(gq.rows).sym_and(gk.S.sym_eq(gq.S)).sym_and(gk.B.sym_eq(gq.B)).sym_and(
+                      gk.D.sym_eq(gq.D)),
+                  "rope: q and k must agree in every dimension but heads, got q ", q.sym_sizes(), " and k ",
+                  k.sym_sizes());
+  return gq;
+}
+
+RopeGeometry check_rope_qk_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs,
+                                  const RopeOptions& o) {
+  return concrete(check_rope_qk_inputs_symint(q, k, freqs, o));
 }
 
 void check_rope_values(const RopeGeometry& g, const RopeOptions& o) {

@@ -90,13 +90,8 @@ void rope_inplace_cuda(const at::Tensor& t, const at::Tensor& freqs, const RopeO
 std::tuple<at::Tensor, at::Tensor> rope_qk_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs,
                                                 const RopeOptions& o, bool backward) {
   RopeGeometry g = check_cuda_inputs(q, freqs, o, "q");
-  RopeGeometry gk = check_rope_inputs(k, freqs, o, "k");
+  check_rope_qk_inputs(q, k, freqs, o);
   check_cuda_tensor(k, "k");
-  TORCH_CHECK(k.device() == q.device(), "rope: k is on ", k.device(), " but q is on ", q.device());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "rope: k has dtype ", k.scalar_type(), " but q has ",
-              q.scalar_type());
-  TORCH_CHECK(gk.rows == g.rows && gk.S == g.S && gk.B == g.B && gk.D == g.D,
-              "rope: q and k must agree in every dimension but heads, got q ", q.sizes(), " and k ", k.sizes());
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor qo = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor ko = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));

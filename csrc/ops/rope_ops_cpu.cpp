@@ -17,13 +17,7 @@ void fwd_(Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
 }
 std::tuple<Tensor, Tensor> qk(const Tensor& q, const Tensor& k, const Tensor& freqs, bool backward,
                               const fused::RopeOptions& o) {
-  TORCH_CHECK(k.device() == q.device(), "rope: k is on ", k.device(), " but q is on ", q.device());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "rope: k has dtype ", k.scalar_type(), " but q has ",
-              q.scalar_type());
-  auto gq = fused::check_rope_inputs(q, freqs, o, "q");
-  auto gk = fused::check_rope_inputs(k, freqs, o, "k");
-  TORCH_CHECK(gk.rows == gq.rows && gk.S == gq.S && gk.B == gq.B && gk.D == gq.D,
-              "rope: q and k must agree in every dimension but heads, got q ", q.sizes(), " and k ", k.sizes());
+  fused::check_rope_qk_inputs(q, k, freqs, o);
   return {fused::rope_cpu(q, freqs, o, backward), fused::rope_cpu(k, freqs, o, backward)};
 }
 std::tuple<Tensor, Tensor> fwd_qk(const Tensor& q, const Tensor& k, const Tensor& freqs, FUSED_ROPE_ARGS) {

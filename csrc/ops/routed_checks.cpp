@@ -1,4 +1,5 @@
-// Input checks shared by the routed GEMM ops (linear_dual, ffn) on every backend.
+// Input checks shared by the routed GEMM ops (linear_dual, ffn) on every backend. Sizes are read as c10::SymInt
+// (sym_sizes): the Meta kernels run these checks on symbolic sizes (sym_equal in csrc/ops/routed_gemm.h).
 #include <ATen/ATen.h>
 
 #include "ops/routed_gemm.h"
@@ -20,27 +21,40 @@ void check_like(const at::Tensor& t, const char* what, const at::Tensor& ref, co
               " has ", ref.scalar_type(), " (all floating-point arguments must share one dtype)");
 }
 
+c10::SymBool sym_equal(c10::SymIntArrayRef a, c10::SymIntArrayRef b) {
+  if (a.size() != b.size()) return c10::SymBool(false);
+  c10::SymBool eq(true);
+  for (size_t i = 0; i < a.size(); ++i) eq = eq.sym_and(a[i].sym_eq(b[i]));
+  return eq;
+}
+
+c10::SymInt leading_rows(const at::Tensor& x) {
+  c10::SymInt M = 1;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) M *= x.sym_size(i);
+  return M;
+}
+
 void check_mask(const at::Tensor& mask, const at::Tensor& x, const char* op) {
   TORCH_CHECK(mask.scalar_type() == at::kBool, op, ": mask must be a bool tensor, got ", mask.scalar_type());
   TORCH_CHECK(mask.device() == x.device(), op, ": mask is on ", mask.device(), " but x is on ", x.device());
-  TORCH_CHECK(mask.sizes() == x.sizes().slice(0, x.dim() - 1), op, ": mask must have x's leading shape ",
-              x.sizes().slice(0, x.dim() - 1), " (x is ", x.sizes(), "), got ", mask.sizes());
+  const auto lead = x.sym_sizes().slice(0, x.dim() - 1);
+  TORCH_SYM_CHECK(sym_equal(mask.sym_sizes(), lead), op, ": mask must have x's leading shape ", lead, " (x is ",
+                  x.sym_sizes(), "), got ", mask.sym_sizes());
 }
 
 void check_cuda(const at::Tensor& t, const char* what, const char* op) {
   TORCH_CHECK(t.is_cuda(), op, ": ", what, " must be a CUDA tensor, got one on ", t.device());
 }
 
-void check_routing(const std::optional<at::Tensor>& routing, int64_t M, const at::Tensor& x, const char* op,
+void check_routing(const std::optional<at::Tensor>& routing, const c10::SymInt& M, const at::Tensor& x, const char* op,
                    bool forward_routing) {
   if (!present(routing)) return;
   const at::Tensor& r = *routing;
   const char* from = forward_routing ? "fused.route(mask) or linear_dual_forward" : "fused.route(mask)";
-  // sym_* queries: the Meta kernels run this on tensors of symbolic size too (torch.compile, dynamic shapes).
   TORCH_CHECK(r.scalar_type() == at::kInt && r.dim() == 1, op, ": routing must be a 1-D int32 tensor (the routing of ",
               from, "), got ", r.scalar_type(), " of shape ", r.sym_sizes());
   TORCH_CHECK(r.device() == x.device(), op, ": routing must be on x's device ", x.device(), ", got ", r.device());
-  const int64_t shared = routed::shared_routing_size(M), aligned = routed::routing_buffer_size(M);
+  const c10::SymInt shared = routed::shared_routing_size(M), aligned = routed::routing_buffer_size(M);
   const auto n = r.sym_size(0);
   if (forward_routing) {
     TORCH_SYM_CHECK(n.sym_eq(shared).sym_or(n.sym_eq(aligned)), op, ": routing must have ", shared,
@@ -55,6 +69,12 @@ void check_routing(const std::optional<at::Tensor>& routing, int64_t M, const at
 
 std::vector<int64_t> with_last(const at::Tensor& x, int64_t last) {
   std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
+  s.back() = last;
+  return s;
+}
+
+std::vector<c10::SymInt> with_last_symint(const at::Tensor& x, const c10::SymInt& last) {
+  std::vector<c10::SymInt> s(x.sym_sizes().begin(), x.sym_sizes().end());
   s.back() = last;
   return s;
 }

@@ -25,13 +25,22 @@ void check_routed_dtype(const at::Tensor& t, const char* op, const char* what);
 void check_like(const at::Tensor& t, const char* what, const at::Tensor& ref, const char* ref_what, const char* op);
 // mask: bool with exactly x's leading shape (x.shape[:-1]).
 void check_mask(const at::Tensor& mask, const at::Tensor& x, const char* op);
+// Whether two shapes are equal, as a condition for TORCH_SYM_CHECK. The shape checks are written on c10::SymInt
+// sizes (sym_sizes) so that the Meta kernels serve tensors of symbolic size (torch.export with Dim, torch.compile
+// with dynamic shapes): a condition that follows from how the sizes were made (x's and mask's leading dimensions of
+// one Dim) holds for every size and costs nothing; one that does not becomes a guard on the sizes (a recompile, or an
+// export error naming the dimension), never a specialization to the traced size. On concrete tensors it is a plain
+// comparison.
+c10::SymBool sym_equal(c10::SymIntArrayRef a, c10::SymIntArrayRef b);
+// The product of x's leading dimensions (the rows M of a routed op), symbolic where x's sizes are.
+c10::SymInt leading_rows(const at::Tensor& x);
 // A CUDA tensor (the CUDA kernels of the routed ops call this for every tensor argument).
 void check_cuda(const at::Tensor& t, const char* what, const char* op);
 // The `routing` argument of a routed op for a mask of M tokens, when given: a contiguous 1-D int32 tensor on x's device
 // of routed::shared_routing_size(M) elements (the `route` op's result), or with `forward_routing` also of
 // routed::routing_buffer_size(M) (linear_dual_forward's). The length pins M; the contents are checked against the
 // mask on the CPU only (check_routing_of_mask): on CUDA reading them would sync the host, so they are trusted there.
-void check_routing(const std::optional<at::Tensor>& routing, int64_t M, const at::Tensor& x, const char* op,
+void check_routing(const std::optional<at::Tensor>& routing, const c10::SymInt& M, const at::Tensor& x, const char* op,
                    bool forward_routing);
 // On the CPU: `routing` (checked by check_routing) holds the routing of `mask`, in every entry the kernels read.
 void check_routing_of_mask(const at::Tensor& routing, const at::Tensor& mask, const char* op);
@@ -41,8 +50,9 @@ void check_routing_of_mask(const at::Tensor& routing, const at::Tensor& mask, co
 at::Tensor routing_cpu(const at::Tensor& mask, bool aligned);
 // The `route` op on the CPU: both routings in the shared layout, entry for entry the CUDA op's result.
 at::Tensor route_cpu(const at::Tensor& mask);
-// x.shape[:-1] + [last]
+// x.shape[:-1] + [last]; the _symint one for the Meta kernels (x's sizes may be symbolic).
 std::vector<int64_t> with_last(const at::Tensor& x, int64_t last);
+std::vector<c10::SymInt> with_last_symint(const at::Tensor& x, const c10::SymInt& last);
 // The rows of x [..., C] as an [M, C] matrix whose last dimension has unit stride (a view when possible).
 at::Tensor as_rows(const at::Tensor& x);
 
@@ -95,14 +105,15 @@ inline int64_t aligned_rows(int64_t M) { return align_up(M) + kAlign; }
 // M + 2 * kAlign entries hold perm (M_pad <= M + 2 * kAlign - 1), and the length pins M exactly (a routing passed
 // back to an op is checked by its size; its contents would need a host sync).
 constexpr int64_t kSegSlots = 8;
-inline int64_t routing_buffer_size(int64_t M) { return kSegSlots + M + 2 * kAlign; }
+template <typename Int>
+Int routing_buffer_size(const Int& M) { return M + (kSegSlots + 2 * kAlign); }
 // The shared routing of fused::route (the `route` op): one int32 buffer of shared_routing_size(M) entries that holds
 // both routings of a mask, written: the aligned one in routing_buffer_size(M) entries from 0 (the layout of
 // linear_dual_forward's routing), then the unaligned one (the ffn forward's on the TMA path) from
 // unaligned_section(M), a multiple of 4 entries (its perm stays 16-byte aligned): kSegSlots slots (seg and 3 unused),
 // perm of M + kRowTail entries. A model routes its mask once and hands the buffer to every routed op of every layer
 // (their `routing` argument), which then route nothing.
-// (Templates: the Meta kernel of `route` computes them on a symbolic M, c10::SymInt.)
+// (Templates: the Meta kernels compute these sizes on a symbolic M, c10::SymInt.)
 template <typename Int>
 Int unaligned_section(const Int& M) { return (M + (kSegSlots + 2 * kAlign + 3)) / 4 * 4; }
 template <typename Int>

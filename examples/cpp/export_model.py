@@ -3,8 +3,11 @@
     block.pt             the FusedBlock of examples/block_model.py, scripted (torch.jit.script), float32, CPU
     block_reference.pt   its inputs, the float64 reference output, an upstream gradient and the float64 reference
                          gradients of x and of every parameter: a scripted module holding them as buffers, which C++
-                         reads with torch::jit::load(...).named_buffers() (names: `x`, `grad_x`, `grad_proj_weight`...)
-    block_cpu.pt2        with --aoti cpu: the block exported (torch.export) and compiled by AOTInductor for the CPU
+                         reads with torch::jit::load(...).named_buffers() (names: `x`, `grad_x`, `grad_proj_weight`...);
+                         and inputs and float64 outputs at every length of block_model.LENGTHS (`len<tokens>_x`,
+                         `_mask`, `_freqs`, `_out`: 1 to 8192 tokens), which the AOTInductor package serves
+    block_cpu.pt2        with --aoti cpu: the block exported (torch.export, dynamic batch and sequence: one package for
+                         every length) and compiled by AOTInductor for the CPU
     block_cuda.pt2       with --aoti cuda: the same for CUDA (needs a GPU here, at export time)
 
     python examples/cpp/export_model.py --out DIR [--aoti cpu|cuda]
@@ -19,7 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from block_model import FusedBlock, make_inputs, reference_grads  # noqa: E402  (imports fused_ops: the ops register)
+from block_model import (LENGTHS, FusedBlock, dynamic_shapes, make_inputs, reference_forward,  # noqa: E402
+                         reference_grads)  # (importing it imports fused_ops: the ops register)
 
 NO_DEVICE = 77  # the exit status ctest reads as "skipped" (SKIP_RETURN_CODE)
 
@@ -49,6 +53,12 @@ def export_reference(out_dir):
     scripted.save(os.path.join(out_dir, "block.pt"))
     tensors = {"x": x, "mask": mask, "freqs": freqs, "out": ref, "grad_out": grad_out}
     tensors.update({"grad_" + name.replace(".", "_"): g for name, g in grads.items()})
+    params = {k: v.detach().double() for k, v in block.named_parameters()}
+    for batch, seq in LENGTHS:  # (make_inputs draws the same parameters again: one seed)
+        xl, maskl, freqsl = make_inputs(block, batch=batch, seq=seq)
+        out = reference_forward(params, block.heads, xl.double(), maskl, freqsl.double())
+        name = f"len{batch * seq}"
+        tensors.update({name + "_x": xl, name + "_mask": maskl, name + "_freqs": freqsl, name + "_out": out})
     torch.jit.script(Tensors(tensors)).save(os.path.join(out_dir, "block_reference.pt"))
     print(f"export_model: wrote block.pt and block_reference.pt to {out_dir} (Python rel. error {err:.2e}; "
           f"{int(mask.sum())} of {mask.numel()} tokens vision)")
@@ -60,7 +70,7 @@ def export_aoti(out_dir, device):
         sys.exit(NO_DEVICE)
     block = FusedBlock(device=device)
     inputs = make_inputs(block, device=device)
-    exported = torch.export.export(block, inputs)
+    exported = torch.export.export(block, inputs, dynamic_shapes=dynamic_shapes())  # one package for every length
     path = os.path.join(out_dir, f"block_{device}.pt2")
     torch._inductor.aoti_compile_and_package(exported, package_path=path)
     print(f"export_model: wrote {path}")

@@ -2,7 +2,8 @@
 // result against the output saved from Python (a float64 reference).
 //
 //   fused_infer DEVICE DIR            the TorchScript model DIR/block.pt, float32 and bfloat16
-//   fused_infer DEVICE DIR --aoti     the AOTInductor package DIR/block_<DEVICE>.pt2, float32
+//   fused_infer DEVICE DIR --aoti     the AOTInductor package DIR/block_<DEVICE>.pt2, float32, at every length
+//                                     export_model.py saved (1 to 8192 tokens: one package, dynamic batch and sequence)
 //
 // DEVICE is cpu or cuda; DIR is export_model.py's --out folder (it also holds block_reference.pt). Linking
 // libfused_ops registers torch.ops.fused.* from its static initializers (the package config links it with
@@ -54,13 +55,22 @@ int run_aoti(const torch::Device& device, const std::string& dir, const std::map
   const std::string path = dir + "/block_" + (device.is_cuda() ? "cuda" : "cpu") + ".pt2";
   torch::inductor::AOTIModelPackageLoader loader(path);
   c10::InferenceMode no_autograd;
-  std::vector<at::Tensor> inputs = {example::get(ref, "x").to(device), example::get(ref, "mask").to(device),
-                                    example::get(ref, "freqs").to(device)};
-  std::vector<at::Tensor> outs = loader.run(inputs);
-  check.require("the package returns one output", outs.size() == 1);
-  if (!outs.empty()) {
-    check.require("output on " + device.str(), outs[0].device().type() == device.type());
-    check.close("float32 output vs Python's float64 reference", outs[0], example::get(ref, "out"), kTolF32);
+  // The lengths export_model.py saved (len<tokens>_x, ..._out): the one package must serve every one of them.
+  std::vector<std::string> lengths;
+  for (const auto& [name, t] : ref)
+    if (name.rfind("len", 0) == 0 && name.size() > 7 && name.compare(name.size() - 4, 4, "_out") == 0)
+      lengths.push_back(name.substr(0, name.size() - 4));
+  check.require("the reference holds several lengths (" + std::to_string(lengths.size()) + ")", lengths.size() >= 2);
+  for (const std::string& len : lengths) {
+    const at::Tensor& x = example::get(ref, len + "_x");
+    std::vector<at::Tensor> outs = loader.run({x.to(device), example::get(ref, len + "_mask").to(device),
+                                               example::get(ref, len + "_freqs").to(device)});
+    const std::string at = " at " + len.substr(3) + " tokens [" + std::to_string(x.size(0)) + ", " +
+                           std::to_string(x.size(1)) + "]";
+    check.require("the package returns one output" + at, outs.size() == 1);
+    if (outs.empty()) continue;
+    check.require("output on " + device.str() + at, outs[0].device().type() == device.type());
+    check.close("float32 output vs Python's float64 reference" + at, outs[0], example::get(ref, len + "_out"), kTolF32);
   }
   return check.finish("fused_infer (AOTInductor " + path + ")");
 }
