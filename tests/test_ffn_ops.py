@@ -924,7 +924,8 @@ def test_modules_do_not_import_transformers():
 def _hf_llama_mlp(hidden, inter, device, dtype):
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
-    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu",
+                                   num_attention_heads=1, num_key_value_heads=1)  # heads must divide hidden
     if hasattr(cfg, "mlp_bias"):
         cfg.mlp_bias = False
     return LlamaMLP(cfg).to(device=device, dtype=dtype)
@@ -955,6 +956,7 @@ def test_hf_llama_mlp(device):
 def test_hf_llama_mlp_rejects_gelu():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
-    mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=16, intermediate_size=24, hidden_act="gelu"))
+    mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=16, intermediate_size=24, hidden_act="gelu",
+                                            num_attention_heads=1, num_key_value_heads=1))
     with pytest.raises(ValueError, match=r"(?i)silu|act"):
         FusedSwiGLU.from_llama_mlp(mlp)
