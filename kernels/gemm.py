@@ -113,7 +113,7 @@ def _expert_tile_mn(tile, t0, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     the row tiles left over (GROUP_M to 2 GROUP_M - 1 of them; an expert with fewer than GROUP_M row tiles is one
     group) instead of forming a group of its own. A group then never mixes the experts' weights, and no group has a
     few row tiles only: such a group reads its weight columns for that few rows (86 tiles of 2 MB in the gate/up
-    GEMM of 4096 x 11008 x 4096 for one row tile, more than HBM delivers while they compute; docs/perf.md v17)."""
+    GEMM of 4096 x 11008 x 4096 for one row tile, more than HBM delivers while they compute)."""
     n0_tiles = t0 * num_pid_n
     in1 = tile >= n0_tiles
     base = tl.where(in1, t0, 0)
@@ -147,7 +147,7 @@ def _split_tail(num_tiles, nprog):
     main + p // 2 (_half_tile_at). Only when that round holds tiles for at most half the programs (tail = 0
     otherwise, or when there is no partial round): each of its programs then computes half a tile instead of some
     computing a whole one while the others idle. 33 x 86 gate/up tiles on 132 SMs are 21 rounds and 66 tiles
-    (docs/perf.md v18)."""
+   ."""
     tail = num_tiles % nprog
     tail = tl.where(2 * tail <= nprog, tail, 0)
     return num_tiles - tail, tail
@@ -473,8 +473,8 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
     """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
     (W_TRANSPOSED: [2, K, N] block [1, BK, BN]); wh_desc: the same tensor with half the columns per block (BN / 2),
     for SPLIT_TAIL (a config's "split"): a last round split in column halves (_split_tail: at 2048 tokens, 17 x 16
-    tiles of 128 x 256 are 2 rounds and 8 tiles on 132 SMs; docs/perf.md v22). Not compiled in where the table does
-    not ask for it: the code after the tile loop cost the flattened large-m kernels 1-3% (v22). Persistent over the
+    tiles of 128 x 256 are 2 rounds and 8 tiles on 132 SMs). Not compiled in where the table does
+    not ask for it: the code after the tile loop cost the flattened large-m kernels 1-3%. Persistent over the
     row tiles of _row_tiles x cdiv(N, BN): with SCATTER_OUT only the tiles that hold rows, else every tile below
     end = seg[2] (an expert-ordered output is written up to end, padding rows included). one_rows > 0 (with
     SCATTER_OUT = False): one expert, rows in token order, no perm / seg (_walk_tiles). w_map: the experts' order
@@ -535,7 +535,7 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
                                     PDL: tl.constexpr = False):
     """The forward of routed_linear_tma_kernel (W through TMA, output rows scattered) with A in token order, its rows
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
-    of docs/perf.md ("gather inside the GEMM"), measured against gather + routed_linear_tma_kernel by aot/tune.py.
+    (the gather inside the GEMM), measured against gather + routed_linear_tma_kernel by aot/tune.py.
     Persistent over the tiles that hold rows; SPLIT_TAIL: a last round split in column halves through wh_desc, as in
     routed_linear_tma_kernel. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
@@ -713,7 +713,7 @@ def _grad_weight_expert(seg_ptr, pid, per_e, first_expert):
     Both experts' (2 per_e): the one with more rows takes the first per_e programs. Its tiles are the long ones (each
     reduces over its rows), so the other expert's short tiles fill the last wave instead of delaying the long ones
     (longest first; with one expert's tokens only, the other's tiles just write zeros). H100, JIT, expert-ordered
-    inputs, / cuBLAS's dense GEMM: 4096^3 all vision 1.563 -> 1.524, 90% vision 1.606 -> 1.574 (docs/perf.md v15)."""
+    inputs, / cuBLAS's dense GEMM: 4096^3 all vision 1.563 -> 1.524, 90% vision 1.606 -> 1.574."""
     e = first_expert + pid // per_e
     if tl.num_programs(0) > per_e:
         e = e ^ (tl.load(seg_ptr + 4) > tl.load(seg_ptr + 3)).to(tl.int32)
@@ -796,7 +796,7 @@ def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_desc, dw1_desc, 
     [BN, BK] tile of both experts in one pipelined loop over expert 0's rows, then expert 1's. Expert 0's epilogue
     runs inside the loop, while the loads of expert 1's first steps are in flight, and a program reduces over all M
     rows, as in a dense GEMM: the grid and its last wave are the dense GEMM's. (One program per expert and tile pays
-    for the split: twice the tiles, each with its own prologue and epilogue; docs/perf.md v15.) The stores go through
+    for the split: twice the tiles, each with its own prologue and epilogue.) The stores go through
     TMA: with pointer stores, the epilogue inside the loop spills (255 registers).
     Expert e's rows start at seg[e] (a multiple of the routing ALIGN, which BLOCK_R divides) and number
     count_e = seg[3 + e]; its steps stop at the first multiple of BLOCK_R past them, not at the segment's padded end.

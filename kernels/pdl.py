@@ -11,7 +11,7 @@ has passed its wait.
 
 Both instructions are no-ops when the kernel was launched without the attribute (FUSED_PDL=0,
 fused_ops.set_programmatic_launch(False), or an op that launches a sequence measured slower with it: the dual-expert
-ffn forward above 2048 tokens, csrc/ops/ffn_cuda.cpp, docs/perf.md v22). Builds for sm_80/sm_89 compile PDL=False (the instructions need sm_90).
+ffn forward above 2048 tokens, csrc/ops/ffn_cuda.cpp). Builds for sm_80/sm_89 compile PDL=False (the instructions need sm_90).
 """
 import triton
 import triton.language as tl

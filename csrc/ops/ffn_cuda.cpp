@@ -95,7 +95,7 @@ at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at:
   const bool tma = g.tma_usable({geo.H, geo.I}, /*swiglu=*/true);
   // The dual expert's x gather -> gate/up -> down measured 2-3.5% slower with programmatic dependent launch at 4096
   // tokens (paired on / off, H100; two random masks, and a 90% mask in one of two runs; no change single-expert, and
-  // 0.3-0.7% faster with it at 1024 / 2048 tokens): launched without it above kDualPdlMaxRows (docs/perf.md v22).
+  // 0.3-0.7% faster with it at 1024 / 2048 tokens): launched without it above kDualPdlMaxRows.
   std::optional<NoProgrammaticLaunch> no_pdl;
   if (geo.dual && geo.M > kDualPdlMaxRows) no_pdl.emplace();
   const at::Tensor xr = as_rows(x);

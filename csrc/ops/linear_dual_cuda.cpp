@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
   at::Tensor out = at::empty({geo.M, geo.N}, x.options());
   if ((geo.M == 0 || geo.N == 0) && !return_routing) return {out.view(with_last(x, geo.N)), at::Tensor()};
 
-  // A routing given: the gather GEMM reads it and routes nothing (docs/perf.md v23: 2% of the forward at 4096 tokens).
+  // A routing given: the gather GEMM reads it and routes nothing (2% of the forward at 4096 tokens).
   const routed::Routing r = present(given) ? routed::routing_of(*given, geo.M) : routed::route(mask);
   if (geo.M == 0 || geo.N == 0) {  // nothing to compute; the routing asked for is still written
     routed::ensure_routed(r);

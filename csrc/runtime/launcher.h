@@ -75,7 +75,7 @@ int device_sm_count(int device);
 bool set_programmatic_launch(bool enabled);
 
 // While one lives, this thread's launches go without programmatic dependent launch whatever the switch above says:
-// for a sequence of kernels measured slower with it (docs/perf.md v22). Nests; results do not change.
+// for a sequence of kernels measured slower with it. Nests; results do not change.
 class NoProgrammaticLaunch {
  public:
   NoProgrammaticLaunch();
