@@ -139,6 +139,18 @@ def sets_for(nbytes, dev, cap=8):
     return min(rotation_count(nbytes, dev), cap)
 
 
+def rotating_sets(ws, xs, gs=None):
+    """The argument sets a cell's calls rotate through: (x, weights[, grad]), each list cycled to the longest."""
+    n = max(len(ws), len(xs))
+    return [(xs[i % len(xs)], ws[i % len(ws)]) + ((gs[i % len(gs)],) if gs else ()) for i in range(n)]
+
+
+def expert_rows(mask):
+    """[(expert, its token indices)] of the experts that have tokens (0 = text, 1 = vision)."""
+    rows = [(e, (mask if e else ~mask).nonzero().reshape(-1)) for e in (0, 1)]
+    return [(e, r) for e, r in rows if r.numel() > 0]
+
+
 # ------------------------------------------------------------------------------------------------------------ cells
 class Cell:
     """One measurement: fn and anchor over rotating argument sets, a check, and the bytes of weights it reads."""
@@ -162,16 +174,14 @@ def linear_cell(op, K, N, M, mask_kind, dev, gen):
     xsets = sets_for(M * (K + N) * 2, dev)
     xs = [torch.randn(M, K, device=dev, dtype=dt) for _ in range(xsets)]
     gs = [torch.randn(M, N, device=dev, dtype=dt) for _ in range(xsets)] if op == "linear_bwd" else None
-    n = max(wsets, xsets)
-    arg_sets = [(xs[i % xsets], ws[i % wsets]) + ((gs[i % xsets],) if gs else ()) for i in range(n)]
+    arg_sets = rotating_sets(ws, xs, gs)
     L = torch.ops.fused
 
     def ref_fwd(x, w):
         xd, wd = x.double(), w.double()
         return torch.where(mask[:, None], xd @ wd[1].T, xd @ wd[0].T)
 
-    rows = [(e, (mask if e else ~mask).nonzero().reshape(-1)) for e in (0, 1)]
-    rows = [(e, r) for e, r in rows if r.numel() > 0]
+    rows = expert_rows(mask)
     xe = {e: torch.randn(r.numel(), K, device=dev, dtype=dt) for e, r in rows}  # each expert's rows, contiguous
     ge = {e: torch.randn(r.numel(), N, device=dev, dtype=dt) for e, r in rows}
     if op == "linear_fwd":
@@ -226,8 +236,7 @@ def ffn_cell(op, H, I, M, mask_kind, dev, gen):  # noqa: E741
     xsets = sets_for(M * (2 * H + 2 * I) * 2, dev)
     xs = [torch.randn(M, H, device=dev, dtype=dt) for _ in range(xsets)]
     gs = [torch.randn(M, H, device=dev, dtype=dt) for _ in range(xsets)] if op == "ffn_bwd" else None
-    n = max(wsets, xsets)
-    arg_sets = [(xs[i % xsets], ws[i % wsets]) + ((gs[i % xsets],) if gs else ()) for i in range(n)]
+    arg_sets = rotating_sets(ws, xs, gs)
     L = torch.ops.fused
 
     def call(x, w):
@@ -244,8 +253,7 @@ def ffn_cell(op, H, I, M, mask_kind, dev, gen):  # noqa: E741
 
     # the anchors: per expert with tokens, its rows as contiguous tensors and its weights, gate and up concatenated
     # (one GEMM of 2I columns)
-    rows = [(e, (mask if e else ~mask).nonzero().reshape(-1)) for e in (0, 1)]
-    rows = [(e, r.numel()) for e, r in rows if r.numel() > 0]
+    rows = [(e, r.numel()) for e, r in expert_rows(mask)]
     w13 = {e: torch.cat([ws[0][0][e], ws[0][1][e]]) for e, _ in rows}
     w2e = {e: ws[0][2][e] for e, _ in rows}
     xe = {e: torch.randn(n, H, device=dev, dtype=dt) for e, n in rows}
