@@ -318,6 +318,28 @@ def _grouped_mm_cpu_reason():
 
 
 @pytest.mark.skipif(_grouped_mm_cpu_reason() is not None, reason=str(_grouped_mm_cpu_reason()))
+@pytest.mark.parametrize("kind", ["dual", "single"])
+def test_export_with_dynamic_batch_and_sequence(kind):
+    """One torch.export program of the model serves every batch and length (issue 34): the fused ops in its graph,
+    one route for the dual expert, the declared ranges kept, eager's bits at 1, 7, 300 and 1030 tokens."""
+    from torch.export import Dim
+    config = CONFIGS[kind].replace(dtype=torch.float32)
+    model = randomize_(FusedCogVLM(config)).float().eval()
+    x, mask = make_inputs(config, batch=2, seq=12, dtype=torch.float32)
+    b, s = Dim("batch", min=1, max=64), Dim("seq", min=1, max=4096)
+    dims = ({0: b, 1: s}, {0: b, 1: s}) if config.vision_expert else ({0: b, 1: s}, None)
+    with torch.no_grad():
+        ep = torch.export.export(model, (x, mask), dynamic_shapes=dims)
+    targets = [str(n.target) for n in ep.graph.nodes if "fused." in str(n.target)]
+    assert targets.count("fused.route.default") == int(config.vision_expert), targets
+    assert sorted((int(r.lower), int(r.upper)) for r in ep.range_constraints.values()) == [(1, 64), (1, 4096)]
+    for batch, seq in ((1, 1), (1, 7), (3, 300), (1, 1030)):
+        xi = torch.randn(batch, seq, config.hidden)
+        mi = (torch.rand(batch, seq) < 0.4) if config.vision_expert else None
+        with torch.no_grad():
+            assert torch.equal(ep.module()(xi, mi), model(xi, mi)), (batch, seq)
+
+
 def test_grouped_mm_baseline_matches_reference():
     """float32 on the CPU (torch._grouped_mm has no float64) against the float64 reference: forward and gradients."""
     fused, ref = models(DUAL)

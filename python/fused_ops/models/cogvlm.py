@@ -153,6 +153,8 @@ class FusedCogVLM(nn.Module):
         (A slice rather than rope_fwd_qk's start_positions: one offset serves the whole batch, and start_positions'
         value check would cost a host sync per layer on CUDA.)"""
         need = past + s
+        if torch.compiler.is_compiling():  # traced (torch.compile, torch.export): the rows needed, no cached attribute,
+            return rope_table(self.config, need, device)[past:need]  # so that a symbolic length stays symbolic
         if self._freqs is None or self._freqs.shape[0] < need or self._freqs.device != torch.device(device):
             self._freqs = rope_table(self.config, -(-need // 1024) * 1024, device)  # grown in steps: decode reuses it
         return self._freqs[past:need]
