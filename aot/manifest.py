@@ -6,7 +6,9 @@ differ only in what they assume of the call arguments (16-byte alignment, a unit
 assumptions on every launch and takes the first variant, in manifest order, whose assumptions hold, so the fast
 specialization is listed first and the generic one last.
 
-Each call argument is (name, type) with type one of the Triton signature types (`*bf16`, `i32`, `i64`, `fp32`, ...).
+Each call argument is (name, type) with type one of the Triton signature types (`*bf16`, `i32`, `i64`, `fp32`, ...),
+read from the kernel's own signature (runtime_args): the kernel and its C++ launch are the only places an argument
+list is written.
 `spec` maps an argument name to `16` (divisible by 16: for a pointer, 16-byte aligned) or to `("eq", v)` (the
 argument is compiled in as the constant v and the runtime requires the caller to pass exactly v).
 """
@@ -23,6 +25,39 @@ ARCHS = (80, 89, 90)
 SHARED_LIMIT = {80: 101376, 89: 101376, 90: 232448}
 
 DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+
+# The Triton type of a runtime argument whose type does not follow from its name and the variant's dtype (routing
+# indices, masks, fp32 side buffers); see runtime_args.
+_ARG_TYPES = {"perm_ptr": "*i32", "seg_ptr": "*i32", "block_counts_ptr": "*i32", "cu_seqlens_ptr": "*i32",
+              "start_ptr": "*i32", "mask_ptr": "*i8", "colsum_ptr": "*fp32", "freqs_ptr": "*fp32"}
+
+
+def runtime_args(kernel: str, dt: str = "", descs: Dict[str, str] = None,
+                 types: Dict[str, str] = None) -> List[Tuple[str, str]]:
+    """(name, Triton type) of every runtime argument of `kernel` ("module:function"), in its @triton.jit signature's
+    order, so that no argument list is written twice: `*_desc` is a tensor descriptor of dtype `dt` whose block is
+    `descs[name]` (from the variant's config), `*_ptr` a pointer to `dt` (or its _ARG_TYPES type), any other argument
+    i32; `types` overrides by name (e.g. i64 strides). Constexpr parameters are the variant's meta, not arguments."""
+    import importlib
+    module, name = kernel.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    out = []
+    for param in fn.params:
+        if param.is_constexpr:
+            continue
+        n = param.name
+        if types and n in types:
+            ty = types[n]
+        elif n.endswith("_desc"):
+            ty = f"tensordesc<{dt}[{descs[n]}]>"
+        elif n in _ARG_TYPES:
+            ty = _ARG_TYPES[n]
+        elif n.endswith("_ptr"):
+            ty = f"*{dt}"
+        else:
+            ty = "i32"
+        out.append((n, ty))
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,14 +119,8 @@ class Variant:
 def _rope_variants() -> List[Variant]:
     out = []
     for dt in DTYPES:
-        ptr = f"*{dt}"
-        args = [("x_ptr", ptr), ("out_ptr", ptr), ("x2_ptr", ptr), ("out2_ptr", ptr), ("freqs_ptr", "*fp32"),
-                ("cu_seqlens_ptr", "*i32"), ("start_ptr", "*i32"),
-                ("S", "i32"), ("B", "i32"), ("H", "i32"), ("H2", "i32"), ("D", "i32"), ("HALF", "i32"),
-                ("s_max", "i32"), ("freqs_stride", "i64")]
-        for t in ("x", "o", "x2", "o2"):
-            args += [(f"s{t}_{d}", "i64") for d in ("s", "b", "h", "d")]
-        args += [("cp_size", "i32"), ("cp_rank", "i32"), ("flags", "i32")]
+        strides = [f"s{t}_{d}" for t in ("x", "o", "x2", "o2") for d in ("s", "b", "h", "d")] + ["freqs_stride"]
+        args = runtime_args("kernels.rope:rope_kernel", dt, types=dict.fromkeys(strides, "i64"))
         for cfg, archs in configs("rope_kernel", "all"):  # one bucket: the grid (a program per row) ignores it
             bh, bhalf, bb = cfg["block"]
             for thd in (0, 1):
@@ -173,19 +202,13 @@ def _routing_variants() -> List[Variant]:
     for align in (config_table.ROUTING_ALIGN, 1):
         for block, warps in ((routing.ONE_BLOCK_SMALL, 2), (routing.ONE_BLOCK_MID, 8), (routing.ONE_BLOCK, 8)):
             out.append(Variant("kernels.routing:routing_one_block_kernel", {"align": align, "block": block},
-                               [("mask_ptr", "*i8"), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M", "i32"),
-                                ("M_pad", "i32")],
-                               {"BLOCK": block, "ALIGN": align}, {}, warps, 1, ARCHS))
+                               runtime_args("kernels.routing:routing_one_block_kernel"), {"BLOCK": block, "ALIGN": align}, {}, warps, 1, ARCHS))
         out.append(Variant("kernels.routing:routing_scatter_kernel", {"align": align, "chunk": 1024},
-                           [("mask_ptr", "*i8"), ("block_counts_ptr", "*i32"), ("perm_ptr", "*i32"),
-                            ("seg_ptr", "*i32"), ("M", "i32"), ("M_pad", "i32"), ("num_blocks", "i32")],
-                           {"CHUNK": 1024, "ALIGN": align}, {}, 4, 1, ARCHS))
+                           runtime_args("kernels.routing:routing_scatter_kernel"), {"CHUNK": 1024, "ALIGN": align}, {}, 4, 1, ARCHS))
         out.append(Variant("kernels.routing:routing_single_kernel", {"align": align, "block": routing.SINGLE_BLOCK},
-                           [("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M", "i32"), ("M_pad", "i32")],
-                           {"BLOCK": routing.SINGLE_BLOCK, "ALIGN": align}, {}, 4, 1, ARCHS))
+                           runtime_args("kernels.routing:routing_single_kernel"), {"BLOCK": routing.SINGLE_BLOCK, "ALIGN": align}, {}, 4, 1, ARCHS))
     out.append(Variant("kernels.routing:routing_count_kernel", {"chunk": 1024},
-                       [("mask_ptr", "*i8"), ("block_counts_ptr", "*i32"), ("M", "i32")], {"CHUNK": 1024}, {},
-                       4, 1, ARCHS))
+                       runtime_args("kernels.routing:routing_count_kernel"), {"CHUNK": 1024}, {}, 4, 1, ARCHS))
     return out
 
 
@@ -197,8 +220,7 @@ def _gemm_variants() -> List[Variant]:
     from kernels.gemm import GATHER_COLS, GATHER_ROWS
     out = []
     for dt in DTYPES:  # gather_rows: a copy (colsum=1: with per-block column sums), no precision, not configurable
-        args = [("src_ptr", f"*{dt}"), ("dst_ptr", f"*{dt}"), ("perm_ptr", "*i32"), ("colsum_ptr", "*fp32"),
-                ("M_pad", "i32"), ("C", "i32"), ("stride_src", "i32"), ("stride_dst", "i32")]
+        args = runtime_args("kernels.gemm:gather_rows_kernel", dt)
         for colsum in (0, 1):
             cols, warps = GATHER_COLS[bool(colsum)]  # in the key too: the C++ grid divides C by it
             for spec in (_aligned(args), {}):
@@ -209,9 +231,7 @@ def _gemm_variants() -> List[Variant]:
         # route_gather_rows: the unaligned routing of a mask of up to ONE_BLOCK rows and the gather through it, one
         # launch (the ffn forward's x, sm_90: only the TMA kernels take an unaligned routing). block: the
         # one-block routing size of M, as routing_one_block_kernel's (the C++ launcher asks for one_block_size(M)).
-        args = [("mask_ptr", "*i8"), ("src_ptr", f"*{dt}"), ("dst_ptr", f"*{dt}"), ("perm_ptr", "*i32"),
-                ("seg_ptr", "*i32"), ("M", "i32"), ("M_pad", "i32"), ("C", "i32"), ("stride_src", "i32"),
-                ("stride_dst", "i32")]
+        args = runtime_args("kernels.gemm:route_gather_rows_kernel", dt)
         cols, warps = GATHER_COLS[False]
         for block in routing.ONE_BLOCKS:
             key = {"dtype": dt, "block": block, "rows": GATHER_ROWS, "cols": cols}
@@ -220,27 +240,22 @@ def _gemm_variants() -> List[Variant]:
                                    {"MASK_BLOCK": block, "BLOCK_R": GATHER_ROWS, "BLOCK_C": cols}, spec, warps, 1,
                                    (90,)))
         # expert_colsum: the second pass of the bias gradients (the per-expert sums of gather_rows' colsum).
-        args = [("colsum_ptr", "*fp32"), ("seg_ptr", "*i32"), ("sum0_ptr", f"*{dt}"), ("sum1_ptr", f"*{dt}"),
-                ("num_blocks", "i32"), ("C", "i32")]
+        args = runtime_args("kernels.gemm:expert_colsum_kernel", dt)
         for spec in (_aligned(args), {}):
             out.append(Variant("kernels.gemm:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_ROWS}, args,
                                {"ROWS_PER_BLOCK": GATHER_ROWS, "BLOCK_B": 64, "BLOCK_C": 64}, spec, 4, 1, ARCHS))
     for dt in DTYPES:  # swiglu_backward: elementwise, in place (kernels/swiglu_backward.py); not configurable
-        args = [("gate_ptr", f"*{dt}"), ("up_ptr", f"*{dt}"), ("dh_ptr", f"*{dt}"), ("n_rows", "i32"),
-                ("n_cols", "i32"), ("stride", "i32")]
+        args = runtime_args("kernels.swiglu_backward:swiglu_backward_kernel", dt)
         for spec in (_aligned(args), {}):
             out.append(Variant("kernels.swiglu_backward:swiglu_backward_kernel", {"dtype": dt}, args,
                                {"BLOCK_R": 16, "BLOCK_C": 256}, spec, 4, 1, ARCHS))
     for dt, prec in GEMM_UNITS:
         fam = config_table.family(dt, prec)
-        p = f"*{dt}"
         base = {"dtype": dt, "prec": prec}
 
         # routed_linear_kernel (pointer loads): (GATHER_A, SCATTER_OUT, W_TRANSPOSED, HAS_BIAS) combinations used by
         # linear_dual forward (with / without bias) and grad-input, and by the ffn down projection (A = h).
-        args = [("a_ptr", p), ("w0_ptr", p), ("w1_ptr", p), ("bias0_ptr", p), ("bias1_ptr", p), ("out_ptr", p),
-                ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"),
-                ("stride_am", "i32"), ("stride_w", "i32"), ("stride_om", "i32")]
+        args = runtime_args("kernels.gemm:routed_linear_kernel", dt)
         for cfg, archs in configs("routed_linear_kernel", fam):
             for gather, scatter, wt, bias in ((1, 1, 0, 1), (1, 1, 0, 0), (1, 1, 1, 0), (0, 1, 0, 0)):
                 key = dict(base, gather=gather, scatter=scatter, wt=wt, bias=bias)
@@ -248,9 +263,7 @@ def _gemm_variants() -> List[Variant]:
                 out += _both("kernels.gemm:routed_linear_kernel", key, args, meta, cfg, archs)
 
         # routed_swiglu_kernel (pointer loads): x gathered through perm -> expert-ordered h.
-        args = [("a_ptr", p), ("w1_0_ptr", p), ("w1_1_ptr", p), ("w3_0_ptr", p), ("w3_1_ptr", p), ("h_ptr", p),
-                ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("M_pad", "i32"), ("N", "i32"), ("K", "i32"),
-                ("stride_am", "i32"), ("stride_w", "i32"), ("stride_hm", "i32")]
+        args = runtime_args("kernels.gemm:routed_swiglu_kernel", dt)
         for cfg, archs in configs("routed_swiglu_kernel", fam):
             meta = _tile_meta(cfg, prec, GATHER_A=True, SCATTER_OUT=False)
             out += _both("kernels.gemm:routed_swiglu_kernel", dict(base, gather=1, scatter=0), args, meta, cfg, archs)
@@ -258,9 +271,7 @@ def _gemm_variants() -> List[Variant]:
         # routed_grad_weight_kernel: dW_e (and db_e) written in the input dtype (fp32 accumulation over all rows of
         # the expert inside one program), token-order dy/x gathered through perm: linear_dual (dbias) and the pointer
         # ffn backward. (Expert-ordered buffers, on sm_90, go to routed_grad_weight_tma_kernel.)
-        args = [("dy_ptr", p), ("x_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("dw0_ptr", p), ("dw1_ptr", p),
-                ("db0_ptr", p), ("db1_ptr", p), ("N", "i32"), ("K", "i32"), ("stride_dym", "i32"),
-                ("stride_xm", "i32"), ("stride_dwn", "i32"), ("first_expert", "i32")]
+        args = runtime_args("kernels.gemm:routed_grad_weight_kernel", dt)
         for cfg, archs in configs("routed_grad_weight_kernel", fam):
             for dbias in (1, 0):
                 meta = _tile_meta(cfg, prec, _NKR, GATHER=True, HAS_DBIAS=dbias, ACCUMULATE=False)
@@ -277,10 +288,8 @@ def _gemm_variants() -> List[Variant]:
             for scatter, wt, bias in ((1, 0, 1), (1, 0, 0), (1, 1, 0), (0, 0, 0), (0, 1, 0)):
                 wblock = f"1, {bk}, {bn}" if wt else f"1, {bn}, {bk}"
                 hblock = f"1, {bk}, {bn // 2}" if wt else f"1, {bn // 2}, {bk}"
-                args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w_desc", f"tensordesc<{dt}[{wblock}]>"),
-                        ("wh_desc", f"tensordesc<{dt}[{hblock}]>"), ("bias0_ptr", p), ("bias1_ptr", p),
-                        ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"),
-                        ("K", "i32"), ("stride_om", "i32"), ("w_map", "i32")]
+                args = runtime_args("kernels.gemm:routed_linear_tma_kernel", dt,
+                                    {"a_desc": f"{bm}, {bk}", "w_desc": wblock, "wh_desc": hblock})
                 meta = _split_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
                 out += _both("kernels.gemm:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
                              args, meta, cfg, archs)
@@ -291,11 +300,8 @@ def _gemm_variants() -> List[Variant]:
         # aligned routing of linear_dual.
         for cfg, archs in configs("routed_linear_gather_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = [("a_ptr", p), ("w_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
-                    ("wh_desc", f"tensordesc<{dt}[1, {bn // 2}, {bk}]>"), ("bias0_ptr", p), ("bias1_ptr", p),
-                    ("out_ptr", p), ("perm_ptr", "*i32"), ("seg_ptr", "*i32"), ("mask_ptr", "*i8"), ("M", "i32"),
-                    ("M_pad", "i32"), ("N", "i32"), ("K", "i32"), ("stride_am", "i32"), ("stride_om", "i32"),
-                    ("w_map", "i32")]
+            args = runtime_args("kernels.gemm:routed_linear_gather_tma_kernel", dt,
+                                {"w_desc": f"1, {bn}, {bk}", "wh_desc": f"1, {bn // 2}, {bk}"})
             align = config_table.ROUTING_ALIGN
             for route in route_blocks("routed_linear_gather_tma_kernel", fam, cfg):
                 for bias in (1, 0):
@@ -308,10 +314,8 @@ def _gemm_variants() -> List[Variant]:
         # the unaligned routing of the ffn forward's TMA path; routes the mask itself as the linear one does.
         for cfg, archs in configs("routed_swiglu_gather_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = [("a_ptr", p), ("w1_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
-                    ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
-                    ("seg_ptr", "*i32"), ("mask_ptr", "*i8"), ("M", "i32"), ("M_pad", "i32"), ("N", "i32"),
-                    ("K", "i32"), ("stride_am", "i32"), ("stride_hm", "i32"), ("w_map", "i32")]
+            args = runtime_args("kernels.gemm:routed_swiglu_gather_tma_kernel", dt,
+                                {"w1_desc": f"1, {bn}, {bk}", "w3_desc": f"1, {bn}, {bk}"})
             for route in route_blocks("routed_swiglu_gather_tma_kernel", fam, cfg):
                 meta = dict(_persistent_meta(cfg, prec), ROUTE_BLOCK=route, ALIGN=1)
                 out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel", dict(base, route=route, align=1), args,
@@ -321,19 +325,17 @@ def _gemm_variants() -> List[Variant]:
         # experts' dW stored through [BN, BK] descriptors.
         for cfg, archs in configs("routed_grad_weight_tma_kernel", fam):
             bn, bk, br = cfg["block"]
-            args = [("dy_desc", f"tensordesc<{dt}[{br}, {bn}]>"), ("x_desc", f"tensordesc<{dt}[{br}, {bk}]>"),
-                    ("seg_ptr", "*i32"), ("dw0_desc", f"tensordesc<{dt}[{bn}, {bk}]>"),
-                    ("dw1_desc", f"tensordesc<{dt}[{bn}, {bk}]>"), ("N", "i32"), ("K", "i32"), ("experts", "i32")]
+            args = runtime_args("kernels.gemm:routed_grad_weight_tma_kernel", dt,
+                                {"dy_desc": f"{br}, {bn}", "x_desc": f"{br}, {bk}", "dw0_desc": f"{bn}, {bk}",
+                                 "dw1_desc": f"{bn}, {bk}"})
             meta = _tile_meta(cfg, prec, _NKR)
             out += _both("kernels.gemm:routed_grad_weight_tma_kernel", dict(base), args, meta, cfg, archs)
 
         # routed_swiglu_tma_kernel (sm_90): expert-ordered x -> expert-ordered h (no fp32-ieee variant).
         for cfg, archs in configs("routed_swiglu_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w1_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"),
-                    ("w3_desc", f"tensordesc<{dt}[1, {bn}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
-                    ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32"),
-                    ("w_map", "i32")]
+            args = runtime_args("kernels.gemm:routed_swiglu_tma_kernel", dt,
+                                {"a_desc": f"{bm}, {bk}", "w1_desc": f"1, {bn}, {bk}", "w3_desc": f"1, {bn}, {bk}"})
             meta = _persistent_meta(cfg, prec, SCATTER_OUT=False)
             out += _both("kernels.gemm:routed_swiglu_tma_kernel", dict(base, scatter=0), args, meta, cfg, archs)
 
@@ -341,10 +343,9 @@ def _gemm_variants() -> List[Variant]:
         # the same tensor with half the columns per block for the split last round (kernels/gemm.py _split_tail).
         for cfg, archs in configs("routed_swiglu_pair_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w13_desc", f"tensordesc<{dt}[2, 1, {bn}, {bk}]>"),
-                    ("w13h_desc", f"tensordesc<{dt}[2, 1, {bn // 2}, {bk}]>"), ("h_ptr", p), ("perm_ptr", "*i32"),
-                    ("seg_ptr", "*i32"), ("one_rows", "i32"), ("N", "i32"), ("K", "i32"), ("stride_hm", "i32"),
-                    ("up_first", "i32"), ("w_map", "i32")]
+            args = runtime_args("kernels.gemm:routed_swiglu_pair_tma_kernel", dt,
+                                {"a_desc": f"{bm}, {bk}", "w13_desc": f"2, 1, {bn}, {bk}",
+                                 "w13h_desc": f"2, 1, {bn // 2}, {bk}"})
             out += _both("kernels.gemm:routed_swiglu_pair_tma_kernel", dict(base), args, _persistent_meta(cfg, prec),
                          cfg, archs)
 
@@ -352,9 +353,8 @@ def _gemm_variants() -> List[Variant]:
         # SwiGLU backward in the epilogue).
         for cfg, archs in configs("routed_swiglu_pair_bwd_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = [("a_desc", f"tensordesc<{dt}[{bm}, {bk}]>"), ("w13_desc", f"tensordesc<{dt}[2, 1, {bn}, {bk}]>"),
-                    ("h_ptr", p), ("dup_ptr", p), ("dgate_ptr", p), ("seg_ptr", "*i32"), ("N", "i32"), ("K", "i32"),
-                    ("stride_hm", "i32"), ("up_first", "i32"), ("w_map", "i32")]
+            args = runtime_args("kernels.gemm:routed_swiglu_pair_bwd_tma_kernel", dt,
+                                {"a_desc": f"{bm}, {bk}", "w13_desc": f"2, 1, {bn}, {bk}"})
             out += _both("kernels.gemm:routed_swiglu_pair_bwd_tma_kernel", dict(base), args,
                          _persistent_meta(cfg, prec), cfg, archs)
     return out
