@@ -39,13 +39,15 @@ def runtime_args(kernel: str, dt: str = "", descs: Dict[str, str] = None,
     `descs[name]` (from the variant's config), `*_ptr` a pointer to `dt` (or its _ARG_TYPES type), any other argument
     i32; `types` overrides by name (e.g. i64 strides). Constexpr parameters are the variant's meta, not arguments."""
     import importlib
+    import inspect
     module, name = kernel.split(":")
     fn = getattr(importlib.import_module(module), name)
+    # The Python function itself: a JITFunction and (under TRITON_INTERPRET=1) an InterpretedFunction both wrap it as
+    # .fn; its annotations say which parameters are tl.constexpr.
     out = []
-    for param in fn.params:
-        if param.is_constexpr:
+    for n, param in inspect.signature(getattr(fn, "fn", fn)).parameters.items():
+        if "constexpr" in str(param.annotation):
             continue
-        n = param.name
         if types and n in types:
             ty = types[n]
         elif n.endswith("_desc"):
