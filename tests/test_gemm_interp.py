@@ -1,6 +1,6 @@
 """Routed GEMM kernels under the Triton CPU interpreter (small shapes, float64 references).
 
-Run: cd /work/main && /work/venv/bin/python -m pytest -q tests/test_gemm_interp.py
+Run: bash scripts/test.sh tests/test_gemm_interp.py (or .venv/bin/python -m pytest -q tests/test_gemm_interp.py after it)
 """
 import os
 
