@@ -246,11 +246,13 @@ def _gemm_variants() -> List[Variant]:
         for spec in (_aligned(args), {}):
             out.append(Variant("kernels.gemm:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_ROWS}, args,
                                {"ROWS_PER_BLOCK": GATHER_ROWS, "BLOCK_B": 64, "BLOCK_C": 64}, spec, 4, 1, ARCHS))
-    for dt in DTYPES:  # swiglu_backward: elementwise, in place (kernels/swiglu_backward.py); not configurable
+    for dt in DTYPES:  # swiglu_backward: elementwise (kernels/swiglu_backward.py); not configurable. gather=1: gate
+        # and up saved by the forward in token order, read through perm into the backward's expert-ordered buffers.
         args = runtime_args("kernels.swiglu_backward:swiglu_backward_kernel", dt)
-        for spec in (_aligned(args), {}):
-            out.append(Variant("kernels.swiglu_backward:swiglu_backward_kernel", {"dtype": dt}, args,
-                               {"BLOCK_R": 16, "BLOCK_C": 256}, spec, 4, 1, ARCHS))
+        for gather in (0, 1):
+            for spec in (_aligned(args), {}):
+                out.append(Variant("kernels.swiglu_backward:swiglu_backward_kernel", {"dtype": dt, "gather": gather},
+                                   args, {"GATHER": bool(gather), "BLOCK_R": 16, "BLOCK_C": 256}, spec, 4, 1, ARCHS))
     for dt, prec in GEMM_UNITS:
         fam = config_table.family(dt, prec)
         base = {"dtype": dt, "prec": prec}
@@ -266,9 +268,12 @@ def _gemm_variants() -> List[Variant]:
 
         # routed_swiglu_kernel (pointer loads): x gathered through perm -> expert-ordered h.
         args = runtime_args("kernels.gemm:routed_swiglu_kernel", dt)
+        # save=1: gate and up also stored for the ffn backward (SAVE), in every forward gate/up kernel below.
         for cfg, archs in configs("routed_swiglu_kernel", fam):
-            meta = _tile_meta(cfg, prec, GATHER_A=True, SCATTER_OUT=False)
-            out += _both("kernels.gemm:routed_swiglu_kernel", dict(base, gather=1, scatter=0), args, meta, cfg, archs)
+            for save in (0, 1):
+                meta = _tile_meta(cfg, prec, GATHER_A=True, SCATTER_OUT=False, SAVE=save)
+                out += _both("kernels.gemm:routed_swiglu_kernel", dict(base, gather=1, scatter=0, save=save), args,
+                             meta, cfg, archs)
 
         # routed_grad_weight_kernel: dW_e (and db_e) written in the input dtype (fp32 accumulation over all rows of
         # the expert inside one program), token-order dy/x gathered through perm: linear_dual (dbias) and the pointer
@@ -319,9 +324,10 @@ def _gemm_variants() -> List[Variant]:
             args = runtime_args("kernels.gemm:routed_swiglu_gather_tma_kernel", dt,
                                 {"w1_desc": f"1, {bn}, {bk}", "w3_desc": f"1, {bn}, {bk}"})
             for route in route_blocks("routed_swiglu_gather_tma_kernel", fam, cfg):
-                meta = dict(_persistent_meta(cfg, prec), ROUTE_BLOCK=route, ALIGN=1)
-                out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel", dict(base, route=route, align=1), args,
-                             meta, cfg, archs)
+                for save in (0, 1):
+                    meta = dict(_persistent_meta(cfg, prec, SAVE=save), ROUTE_BLOCK=route, ALIGN=1)
+                    out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel",
+                                 dict(base, route=route, align=1, save=save), args, meta, cfg, archs)
 
         # routed_grad_weight_tma_kernel (sm_90): expert-ordered dy / x through [BR, BN] / [BR, BK] descriptors, both
         # experts' dW stored through [BN, BK] descriptors.
@@ -338,8 +344,10 @@ def _gemm_variants() -> List[Variant]:
             bm, bn, bk = cfg["block"]
             args = runtime_args("kernels.gemm:routed_swiglu_tma_kernel", dt,
                                 {"a_desc": f"{bm}, {bk}", "w1_desc": f"1, {bn}, {bk}", "w3_desc": f"1, {bn}, {bk}"})
-            meta = _persistent_meta(cfg, prec, SCATTER_OUT=False)
-            out += _both("kernels.gemm:routed_swiglu_tma_kernel", dict(base, scatter=0), args, meta, cfg, archs)
+            for save in (0, 1):
+                meta = _persistent_meta(cfg, prec, SCATTER_OUT=False, SAVE=save)
+                out += _both("kernels.gemm:routed_swiglu_tma_kernel", dict(base, scatter=0, save=save), args, meta,
+                             cfg, archs)
 
         # routed_swiglu_pair_tma_kernel (sm_90): gate and up through one rank-4 descriptor [2, E, I, H], one MMA;
         # the same tensor with half the columns per block for the split last round (kernels/gemm.py _split_tail).
@@ -348,8 +356,9 @@ def _gemm_variants() -> List[Variant]:
             args = runtime_args("kernels.gemm:routed_swiglu_pair_tma_kernel", dt,
                                 {"a_desc": f"{bm}, {bk}", "w13_desc": f"2, 1, {bn}, {bk}",
                                  "w13h_desc": f"2, 1, {bn // 2}, {bk}"})
-            out += _both("kernels.gemm:routed_swiglu_pair_tma_kernel", dict(base), args, _persistent_meta(cfg, prec),
-                         cfg, archs)
+            for save in (0, 1):
+                out += _both("kernels.gemm:routed_swiglu_pair_tma_kernel", dict(base, save=save), args,
+                             _persistent_meta(cfg, prec, SAVE=save), cfg, archs)
 
         # routed_swiglu_pair_bwd_tma_kernel (sm_90): its backward twin (the ffn backward's gate/up recompute with the
         # SwiGLU backward in the epilogue).

@@ -15,7 +15,7 @@ that expert's weights; it is timed in the same run, paired call by call with the
   linear_fwd   linear_dual forward (the op routes the mask)      / F.linear(x_e, W_e) per expert
   linear_bwd   linear_dual_backward (dx, dW of both experts)     / dx_e = dY_e·W_e and dW_e = dY_eᵀ·X_e per expert
   ffn_fwd      ffn, dual expert (all_text: the dual op, every token text) / per expert x_e·[W1;W3]_eᵀ, then ·W2_eᵀ
-  ffn_bwd      ffn_backward                                      / per expert the six GEMMs it needs (dh, dW2, dx from
+  ffn_bwd      ffn_backward (gate and up saved by ffn_forward)   / per expert the six GEMMs it needs (dh, dW2, dx from
                                                                    gate and up as one GEMM, dW1 and dW3 as one)
   rope_fwd/bwd rope_fwd_qk / rope_bwd_qk of q and k (bshd)       / bytes read + written at copy bandwidth
 Decode cells (M <= 64) of linear_fwd and ffn_fwd are memory-bound: their value is the fraction of copy bandwidth at
@@ -233,7 +233,7 @@ def ffn_cell(op, H, I, M, mask_kind, dev, gen):  # noqa: E741
                 torch.randn(2, H, I, device=dev, dtype=dt) / math.sqrt(I))
     wsets = sets_for(2 * wbytes, dev) if decode else 1
     ws = [weights() for _ in range(wsets)]
-    xsets = sets_for(M * (2 * H + 2 * I) * 2, dev)
+    xsets = sets_for(M * (2 * H + 4 * I) * 2, dev)
     xs = [torch.randn(M, H, device=dev, dtype=dt) for _ in range(xsets)]
     gs = [torch.randn(M, H, device=dev, dtype=dt) for _ in range(xsets)] if op == "ffn_bwd" else None
     arg_sets = rotating_sets(ws, xs, gs)
@@ -275,9 +275,13 @@ def ffn_cell(op, H, I, M, mask_kind, dev, gen):  # noqa: E741
     he = {e: torch.randn(n, I, device=dev, dtype=dt) for e, n in rows}
     d13 = {e: torch.randn(n, 2 * I, device=dev, dtype=dt) for e, n in rows}
 
+    # the forward's saved gate and up (ffn_forward) of each input set: what the backward of a training step reads
+    gate_up = {x.data_ptr(): L.ffn_forward(x, w1[1], w3[1], w2[1], mask, w1[0], w3[0], w2[0])[1]
+               for x, (w1, w3, w2) in ((a[0], a[1]) for a in arg_sets)}
+
     def fn(x, w, g):
         w1, w3, w2 = w
-        return L.ffn_backward(g, x, w1[1], w3[1], w2[1], mask, w1[0], w3[0], w2[0])
+        return L.ffn_backward(g, x, w1[1], w3[1], w2[1], mask, w1[0], w3[0], w2[0], gate_up=gate_up[x.data_ptr()])
 
     def anchor(x, w, g):  # per expert: dh = g·W2, dW2 = gᵀ·h, dx = [dgate dup]·[W1; W3], [dW1; dW3] = [dgate dup]ᵀ·x
         return [(torch.mm(ge[e], w2e[e]), torch.mm(ge[e].t(), he[e]), torch.mm(d13[e], w13[e]),

@@ -45,16 +45,22 @@ TORCH_LIBRARY(fused, m) {
         "bool allow_tf32=False, bool[5] output_mask=[True, True, True, True, True], Tensor? routing=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // SwiGLU MLP w2(silu(x·w1ᵀ) ⊙ x·w3ᵀ); dual expert (mask, u*): token i uses w* if mask[i] (vision) else u* (text).
-  // routing (dual expert only): route(mask), or None (the op routes mask itself).
+  // routing (dual expert only): route(mask), or None (the op routes mask itself). recompute (autograd only): False
+  // saves the gate and up pre-activations for the backward (ffn_forward: 2 * I elements per token), True saves only
+  // the inputs and the backward computes gate and up again (two more GEMMs); the output is the same.
   m.def("ffn(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, Tensor? u3=None, "
-        "Tensor? u2=None, bool allow_tf32=False, Tensor? routing=None) -> Tensor");
-  // Gradients of ffn, recomputing gate/up from x: (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2), the
-  // u gradients None for the single expert. output_mask says which to compute, in that order; the others are
-  // returned undefined (None), and their work is skipped. routing: as for ffn.
+        "Tensor? u2=None, bool allow_tf32=False, Tensor? routing=None, bool recompute=False) -> Tensor");
+  // ffn's output and gate_up, x.shape[:-1] + [2 * I]: the gate and up pre-activations x·w1ᵀ, x·w3ᵀ of each token's
+  // own expert, in token order, what ffn_backward reads instead of recomputing them (ffn's autograd calls this).
+  m.def("ffn_forward(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, Tensor? u3=None, "
+        "Tensor? u2=None, bool allow_tf32=False, Tensor? routing=None) -> (Tensor, Tensor)");
+  // Gradients of ffn: (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2), the u gradients None for the
+  // single expert. output_mask says which to compute, in that order; the others are returned undefined (None), and
+  // their work is skipped. routing: as for ffn. gate_up: ffn_forward's, or None (gate and up recomputed from x).
   m.def("ffn_backward(Tensor grad_out, Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, "
         "Tensor? u3=None, Tensor? u2=None, bool allow_tf32=False, "
-        "bool[7] output_mask=[True, True, True, True, True, True, True], Tensor? routing=None) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "bool[7] output_mask=[True, True, True, True, True, True, True], Tensor? routing=None, "
+        "Tensor? gate_up=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Turns the input checks that read device memory (cu_seqlens, start_positions: a host sync) on or off;
   // returns the previous setting. They are always skipped during CUDA graph capture.
   m.def("set_sync_checks(bool enabled) -> bool", [](bool enabled) { return fused::set_sync_checks(enabled); });

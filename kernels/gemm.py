@@ -232,6 +232,23 @@ def _silu_mul(g, u):
     return g / (1.0 + tl.exp(-g)) * u
 
 
+@triton.jit
+def _save_gate_up(gu_ptr, g, u, perm_ptr, one_rows, row0, row_hi, offs_n, N, stride_gu, BLOCK_M: tl.constexpr):
+    """SAVE: the tile's gate and up pre-activations into gate_up [M, 2N] in token order (gate in columns [0, N), up
+    in [N, 2N)), the activations the ffn backward reads instead of recomputing them (csrc/ops/ffn_cuda.cpp). Token
+    order, whatever the routing and path of the forward: rows through perm, or, for one expert in token order
+    (one_rows > 0, no perm: not read), in place. Branch-free (a runtime branch here breaks the flattened tile loop)."""
+    offs_r = row0 + tl.arange(0, BLOCK_M)
+    in_tile = offs_r < row_hi
+    p = tl.load(perm_ptr + offs_r, mask=in_tile & (one_rows == 0), other=-1)
+    tok = tl.where(one_rows > 0, offs_r, p)
+    ok = (in_tile & (tok >= 0))[:, None] & (offs_n < N)[None, :]
+    off = tl.where(tok >= 0, tok, 0).to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
+    ty = gu_ptr.dtype.element_ty
+    tl.store(gu_ptr + off, g.to(ty), mask=ok)
+    tl.store(gu_ptr + N + off, u.to(ty), mask=ok)
+
+
 # ----------------------------------------------------------------------------------------------
 # (a) pointer-load kernels (any sm_80+; A rows gathered through perm)
 # ----------------------------------------------------------------------------------------------
@@ -277,13 +294,14 @@ def routed_linear_kernel(a_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, p
 
 
 @triton.jit
-def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, perm_ptr, seg_ptr,
-                         M_pad, N, K, stride_am, stride_w, stride_hm,
+def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, gu_ptr, perm_ptr, seg_ptr,
+                         M_pad, N, K, stride_am, stride_w, stride_hm, stride_gu,
                          GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
-    """h = silu(A @ W1_e^T) * (A @ W3_e^T); W1_e, W3_e [N = intermediate, K = hidden]."""
+                         GROUP_M: tl.constexpr, SAVE: tl.constexpr = False, PDL: tl.constexpr = False):
+    """h = silu(A @ W1_e^T) * (A @ W3_e^T); W1_e, W3_e [N = intermediate, K = hidden]. SAVE (with GATHER_A): gate and
+    up also into gate_up (_save_gate_up)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     num_pid_m = M_pad // BLOCK_M
@@ -323,6 +341,8 @@ def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, p
             u_ptrs += BLOCK_K
         h = _silu_mul(acc_g, acc_u)
         _store_tile(h_ptr, h, perm_ptr, row0, row0 + BLOCK_M, offs_n, N, stride_hm, SCATTER_OUT, BLOCK_M)
+        if SAVE:
+            _save_gate_up(gu_ptr, acc_g, acc_u, perm_ptr, 0, row0, row0 + BLOCK_M, offs_n, N, stride_gu, BLOCK_M)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -572,15 +592,15 @@ def _swiglu_step(a, w1_desc, w3_desc, e, w_map, n0, k0, acc_g, acc_u, INPUT_PREC
 
 
 @triton.jit
-def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, one_rows, N, K, stride_hm, w_map,
-                             SCATTER_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, gu_ptr, perm_ptr, seg_ptr, one_rows, N, K, stride_hm,
+                             stride_gu, w_map, SCATTER_OUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr,
-                             FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
+                             FLATTEN: tl.constexpr, SAVE: tl.constexpr = False, PDL: tl.constexpr = False):
     """a_desc: [M_pad, K] block [BM, BK]; w1_desc / w3_desc: stacked [2, N, K] block [1, BN, BK]. Persistent over
     the tiles that hold rows: rows of h past each expert's last row tile are not written (only the down projection
     reads h, and its padding rows' outputs are not stored). one_rows > 0: one expert, no perm / seg (_walk_tiles).
-    w_map: both projections' expert orders (_swiglu_step)."""
+    w_map: both projections' expert orders (_swiglu_step). SAVE: gate and up also into gate_up (_save_gate_up)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -596,20 +616,24 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr,
                                         INPUT_PRECISION, BLOCK_N, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, SCATTER_OUT,
                     BLOCK_M)
+        if SAVE:
+            _save_gate_up(gu_ptr, acc_g, acc_u, perm_ptr, one_rows, row0, row_hi, offs_n, N, stride_gu, BLOCK_M)
 
 
 @triton.jit
-def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, w13h_desc, h_ptr, perm_ptr, seg_ptr, one_rows, N, K, stride_hm,
-                                  up_first, w_map, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                  FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
+def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, w13h_desc, h_ptr, gu_ptr, perm_ptr, seg_ptr, one_rows, N, K,
+                                  stride_hm, stride_gu, up_first, w_map, INPUT_PRECISION: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SAVE: tl.constexpr = False,
+                                  PDL: tl.constexpr = False):
     """routed_swiglu_tma_kernel with the gate and up tiles fetched by one TMA load and multiplied by one MMA of
     2 x BLOCK_N columns: w13_desc is a rank-4 descriptor [2, E, N, K] over both projections (dimension 0: the two
     weight tensors, at whatever distance they lie in memory; block [2, 1, BN, BK]). up_first = 1 when dimension 0
     holds up before gate (w3 lies below w1 in memory); w_map: the experts' order along dimension 1 (_w_index; one for
     both projections, which share the descriptor's strides). The accumulator [BM, 2 BN] splits into gate and up in the
     epilogue. one_rows as in routed_swiglu_tma_kernel. A last round that fills at most half the programs is split
-    in column halves (_split_tail), loaded through w13h_desc: the same tensor, block [2, 1, BN / 2, BK]."""
+    in column halves (_split_tail), loaded through w13h_desc: the same tensor, block [2, 1, BN / 2, BK]. SAVE: gate
+    and up also into gate_up (_save_gate_up)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -622,12 +646,16 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, w13h_desc, h_ptr, perm_ptr, 
         g, u = _pair_gate_up(a_desc, w13_desc, _w_index(e, w_map), row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M,
                              BLOCK_N, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
+        if SAVE:
+            _save_gate_up(gu_ptr, g, u, perm_ptr, one_rows, row0, row_hi, offs_n, N, stride_gu, BLOCK_M)
     if pid < 2 * tail:
         row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
                                                     BLOCK_N, GROUP_M)
         g, u = _pair_gate_up(a_desc, w13h_desc, _w_index(e, w_map), row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M,
                              BLOCK_N // 2, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
+        if SAVE:
+            _save_gate_up(gu_ptr, g, u, perm_ptr, one_rows, row0, row_hi, offs_n, N, stride_gu, BLOCK_M)
 
 
 @triton.jit
@@ -676,14 +704,15 @@ def routed_swiglu_pair_bwd_tma_kernel(a_desc, w13_desc, h_ptr, dup_ptr, dgate_pt
 
 
 @triton.jit
-def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, seg_ptr, mask_ptr, M, M_pad, N, K,
-                                    stride_am, stride_hm, w_map, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                    ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                                    FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
+def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, gu_ptr, perm_ptr, seg_ptr, mask_ptr, M, M_pad,
+                                    N, K, stride_am, stride_hm, stride_gu, w_map, INPUT_PRECISION: tl.constexpr,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                                    FLATTEN: tl.constexpr, SAVE: tl.constexpr = False, PDL: tl.constexpr = False):
     """routed_swiglu_tma_kernel with x in token order, its rows gathered through perm inside the main loop (no
     [M_pad, H] gather copy); h expert-ordered as there (rows past each expert's last row tile not written).
-    ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles)."""
+    ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). SAVE: gate and up also into gate_up
+    (_save_gate_up)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -702,6 +731,8 @@ def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, perm_ptr, se
             acc_g, acc_u = _swiglu_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w1_desc, w3_desc, e, w_map, n0, k0,
                                         acc_g, acc_u, INPUT_PRECISION, BLOCK_N, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
+        if SAVE:
+            _save_gate_up(gu_ptr, acc_g, acc_u, perm_ptr, 0, row0, row_hi, offs_n, N, stride_gu, BLOCK_M)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -876,12 +907,22 @@ def launch_routed_linear(a, w0, w1, bias0, bias1, out, perm, seg, N, K, *, gathe
     return out
 
 
+def _gate_up_arg(gate_up, h):
+    """(gu_ptr, stride_gu, SAVE) of a forward gate/up kernel: gate_up [M, 2N] in token order, or None (not saved)."""
+    if gate_up is None:
+        return h, 0, False
+    return gate_up, gate_up.stride(0), True
+
+
 def launch_routed_swiglu(a, w1_0, w1_1, w3_0, w3_1, h, perm, seg, N, K, *, gather_a=True, scatter_out=False,
-                         input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3):
+                         input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3,
+                         gate_up=None):
+    """gate_up: [M, 2N] that gets gate and up in token order (SAVE; with gather_a), or None."""
     M_pad = perm.shape[0]
     grid = _grid_mn(M_pad, N, BM, BN)
-    routed_swiglu_kernel[grid](a, w1_0, w1_1, w3_0, w3_1, h, perm, seg, M_pad, N, K, a.stride(0), w1_0.stride(0),
-                               h.stride(0), GATHER_A=gather_a, SCATTER_OUT=scatter_out,
+    gu, stride_gu, save = _gate_up_arg(gate_up, h)
+    routed_swiglu_kernel[grid](a, w1_0, w1_1, w3_0, w3_1, h, gu, perm, seg, M_pad, N, K, a.stride(0), w1_0.stride(0),
+                               h.stride(0), stride_gu, GATHER_A=gather_a, SCATTER_OUT=scatter_out, SAVE=save,
                                INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
     return h
@@ -981,9 +1022,9 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
 
 def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, scatter_out=False,
                              input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None,
-                             num_warps=8, num_stages=3, FLATTEN=False, one_rows=0, w_map=2 | 2 << 2):
+                             num_warps=8, num_stages=3, FLATTEN=False, one_rows=0, w_map=2 | 2 << 2, gate_up=None):
     """one_rows: as in launch_routed_linear_tma. w_map: w1's expert order (launch_routed_linear_tma) in bits 0-1, w3's
-    in bits 2-3."""
+    in bits 2-3. gate_up: as in launch_routed_swiglu."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     assert not (one_rows and scatter_out)
     M_pad, perm, seg = _tile_rows_arg(perm, seg, one_rows, h)
@@ -994,8 +1035,9 @@ def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, sca
     w3_desc = TensorDescriptor.from_tensor(w3_stacked, [1, BN, BK])
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_swiglu_tma_kernel[grid](a_desc, w1_desc, w3_desc, h, perm, seg, one_rows, N, K, h.stride(0), w_map,
-                                   SCATTER_OUT=scatter_out, INPUT_PRECISION=input_precision, BLOCK_M=BM,
+    gu, stride_gu, save = _gate_up_arg(gate_up, h)
+    routed_swiglu_tma_kernel[grid](a_desc, w1_desc, w3_desc, h, gu, perm, seg, one_rows, N, K, h.stride(0), stride_gu,
+                                   w_map, SCATTER_OUT=scatter_out, SAVE=save, INPUT_PRECISION=input_precision, BLOCK_M=BM,
                                    BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
                                    num_stages=num_stages)
     return h
@@ -1003,9 +1045,9 @@ def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, sca
 
 def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, input_precision="tf32", BM=128,
                                   BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
-                                  FLATTEN=False, one_rows=0, w_map=2):
+                                  FLATTEN=False, one_rows=0, w_map=2, gate_up=None):
     """w13 [2, E, N, K]: index 0 of dimension 0 is the gate (w1) unless up_first; the experts along dimension 1 in
-    the order w_map says. one_rows, w_map: as in launch_routed_linear_tma."""
+    the order w_map says. one_rows, w_map: as in launch_routed_linear_tma; gate_up: as in launch_routed_swiglu."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad, perm, seg = _tile_rows_arg(perm, seg, one_rows, h)
     K, N = a_pad.shape[1], w13.shape[2]
@@ -1014,8 +1056,9 @@ def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, i
     wh_desc = TensorDescriptor.from_tensor(w13, [2, 1, BN // 2, BK])
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_swiglu_pair_tma_kernel[grid](a_desc, w_desc, wh_desc, h, perm, seg, one_rows, N, K, h.stride(0),
-                                        int(up_first), w_map, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
+    gu, stride_gu, save = _gate_up_arg(gate_up, h)
+    routed_swiglu_pair_tma_kernel[grid](a_desc, w_desc, wh_desc, h, gu, perm, seg, one_rows, N, K, h.stride(0),
+                                        stride_gu, int(up_first), w_map, SAVE=save, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
                                         BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
                                         num_stages=num_stages)
     return h
@@ -1043,9 +1086,9 @@ def launch_routed_swiglu_pair_bwd_tma(a_pad, w13, h, dup, dgate, seg, *, up_firs
 
 def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, mask=None, route_block=0, align=128,
                                     input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None,
-                                    num_warps=8, num_stages=3, FLATTEN=False, w_map=2 | 2 << 2):
+                                    num_warps=8, num_stages=3, FLATTEN=False, w_map=2 | 2 << 2, gate_up=None):
     """a [M, K] in token order; h [M_pad, N] expert-ordered (rows >= seg[2] not written). route_block: as in
-    launch_routed_linear_gather_tma; w_map: as in launch_routed_swiglu_tma."""
+    launch_routed_linear_gather_tma; w_map: as in launch_routed_swiglu_tma; gate_up: as in launch_routed_swiglu."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad, K, N = perm.shape[0], a.shape[1], w1_stacked.shape[1]
     mask_arg, M = _mask_arg(mask, perm, route_block)
@@ -1053,8 +1096,9 @@ def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, 
     w3_desc = TensorDescriptor.from_tensor(w3_stacked, [1, BN, BK])
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_swiglu_gather_tma_kernel[grid](a, w1_desc, w3_desc, h, perm, seg, mask_arg, M, M_pad, N, K, a.stride(0),
-                                          h.stride(0), w_map, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
+    gu, stride_gu, save = _gate_up_arg(gate_up, h)
+    routed_swiglu_gather_tma_kernel[grid](a, w1_desc, w3_desc, h, gu, perm, seg, mask_arg, M, M_pad, N, K,
+                                          a.stride(0), h.stride(0), stride_gu, w_map, SAVE=save, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
                                           BLOCK_K=BK, GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align,
                                           FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return h

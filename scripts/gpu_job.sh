@@ -17,6 +17,7 @@
 #   bench_rope.log   benchmark output; bench_rope.json all its numbers, bench_rope.md its table, rope_sweep.png
 #   bench_routed.log benchmarks/bench_linear_dual.py then benchmarks/bench_ffn.py (tables and PASS/FAIL targets)
 #   matrix.log, matrix/  benchmarks/bench_matrix.py: matrix.json / .md / .png
+#   bench_train.log, train_mlp/  benchmarks/bench_train_mlp.py (step bench-train): the MLP training step
 #
 # BENCHES selects the benchmark steps (default all three): e.g. BENCHES="linear_dual ffn" gives the routed
 # benchmarks the time the RoPE benchmark would take. Each routed benchmark runs under `timeout 150`
@@ -47,6 +48,7 @@ TESTS_GPU_DESELECT="${TESTS_GPU_DESELECT:-}"  # test ids the tests-gpu step leav
 TESTS_GPU_PATHS="${TESTS_GPU_PATHS:-tests}"   # what the tests-gpu step runs (files or node ids; default every file)
 MODEL_ARGS="${MODEL_ARGS:-}"               # extra flags for examples/model_workload.py (e.g. --quick)
 MATRIX_ARGS="${MATRIX_ARGS:-}"             # extra flags for benchmarks/bench_matrix.py (e.g. --ops ffn_fwd --full)
+TRAIN_ARGS="${TRAIN_ARGS:-}"               # extra flags for benchmarks/bench_train_mlp.py (e.g. --ms 8192)
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || { echo "cannot cd to the repository root"; exit 1; }
 REPO="$PWD"
@@ -263,6 +265,12 @@ step_bench_ffn() {
     "$PY" benchmarks/bench_ffn.py $ROUTED_BENCH_ARGS
 }
 
+step_bench_train() {
+    # The MLP training step (benchmarks/bench_train_mlp.py): fused saved / recompute vs grouped_mm, gather+cuBLAS,
+    # torch.compile; tables in $OUT/train_mlp/.
+    "$PY" benchmarks/bench_train_mlp.py --out "$OUT/train_mlp" $TRAIN_ARGS
+}
+
 step_profile() {
     # Per-kernel device times of the routed ops' main cases (benchmarks/kernel_times.py): where the time goes.
     "$PY" benchmarks/kernel_times.py
@@ -288,7 +296,7 @@ step_tune() {
 }
 
 export -f step_matrix step_sanitizer step_tune step_profile step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
-    step_bench_ffn step_cpp
+    step_bench_ffn step_cpp step_bench_train
 
 has_bench() { [[ " $BENCHES " == *" $1 "* ]]; }
 # time kept for the routed benchmarks that follow a step (their timeout + 5 s of start-up each)
@@ -321,6 +329,7 @@ has_step cpp && run_step cpp          "${CPP_S:-300}"     0    "$OUT/tests.log" 
 has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/bench_rope.log" 1 step_bench
 has_step bench-linear && run_step bench-linear "$ROUTED_BENCH_S" $(( 15 + ROUTED_AFTER_LINEAR )) "$OUT/bench_routed.log" 1 step_bench_linear_dual
 has_step bench-ffn && run_step bench-ffn "$ROUTED_BENCH_S" 15 "$OUT/bench_routed.log" 1 step_bench_ffn
+has_step bench-train && run_step bench-train "${TRAIN_S:-240}" 0 "$OUT/bench_train.log" 1 step_bench_train
 has_step profile && run_step profile   90    0    "$OUT/bench_routed.log" 1     step_profile
 has_step tune && run_step tune   "$TUNE_S"    5    "$OUT/bench_routed.log" 1     step_tune
 has_step matrix && run_step matrix "${MATRIX_S:-400}" 0   "$OUT/matrix.log"       1     step_matrix
@@ -345,6 +354,8 @@ has_step matrix && run_step matrix "${MATRIX_S:-400}" 0   "$OUT/matrix.log"     
     if [[ -n $routed_failed ]]; then head -n 40 <<<"$routed_failed"; else echo "(none)"; fi
     echo "--- model workload (model.log):"
     grep -E "^(\||all checks|FAIL|CHECK)" "$OUT/model.log" 2>/dev/null | tail -n 40 || echo "(no model step)"
+    echo "--- MLP training step (train_mlp/bench_train_mlp.md):"
+    cat "$OUT/train_mlp/bench_train_mlp.md" 2>/dev/null || echo "(no bench-train step)"
     echo "--- matrix summary:"
     sed -n '/^## Summary/,/^## Host/p' "$OUT/matrix/matrix.md" 2>/dev/null || echo "(no matrix)"
     echo "--- files in $OUT:"; ls -laR "$OUT"

@@ -59,6 +59,13 @@ def routed_inputs(b, s, c):
     return rand(b, s, c), make_mask("random", (b, s))
 
 
+def ffn_saved_bwd(g, x, m):
+    """ffn_forward's gate_up handed to ffn_backward, as ffn's autograd does."""
+    routing = OPS.route(m)
+    _, gate_up = OPS.ffn_forward(x, W1, W3, W2, m, U1, U3, U2, routing=routing)
+    return OPS.ffn_backward(g, x, W1, W3, W2, m, U1, U3, U2, routing=routing, gate_up=gate_up)
+
+
 def linear_dual_bwd(g, x, mask):
     routing = OPS.linear_dual_forward(x, mask, WV, WT)[1]
     gx, _, gwt, gbv, _ = OPS.linear_dual_backward(g, x, mask, WV, WT, output_mask=[True, False, True, True, False],
@@ -104,6 +111,8 @@ CASES = {
     "ffn_backward_dual": (("route", "ffn_backward"),
                           lambda g, x, m: OPS.ffn_backward(g, x, W1, W3, W2, m, U1, U3, U2, routing=OPS.route(m)),
                           lambda b, s: (rand(b, s, H),) + routed_inputs(b, s, H), (ROWS, ROWS, ROWS)),
+    "ffn_forward_backward_dual": (("route", "ffn_forward", "ffn_backward"), ffn_saved_bwd,
+                                  lambda b, s: (rand(b, s, H),) + routed_inputs(b, s, H), (ROWS, ROWS, ROWS)),
     "ffn_backward_single": (("ffn_backward",),
                             lambda g, x: OPS.ffn_backward(g, x, W1, W3, W2, output_mask=[True] * 4 + [False] * 3)[:4],
                             lambda b, s: (rand(b, s, H), rand(b, s, H)), (ROWS, ROWS)),

@@ -87,13 +87,13 @@ def check_grad(got, ref, dtype, tol, what):
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
 
 
-def run_and_check_grads(x, w, mask, tol, allow_tf32=False, g=None):
+def run_and_check_grads(x, w, mask, tol, allow_tf32=False, g=None, recompute=False):
     """Autograd through the op (x and every weight as leaves) against float64 autograd of the reference.
     Returns (op output, float64 reference output)."""
     names = [n for n in W_NAMES if n in w]
     lx = x.detach().clone().requires_grad_(True)
     lw = {n: w[n].detach().clone().requires_grad_(True) for n in names}
-    out = OPS.ffn(lx, *op_args(lw, mask), allow_tf32)
+    out = OPS.ffn(lx, *op_args(lw, mask), allow_tf32, recompute=recompute)
     if g is None:
         g = torch.randn(out.shape, device=out.device).to(out.dtype)
     out.backward(g)
@@ -151,18 +151,104 @@ def test_forward_matrix(device, shape_key, mask_kind, dtype):
     check_out(out, ffn_reference(x, *op_args(w, mask)), (M, H), dtype, device, TOL[dtype])
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
 @pytest.mark.parametrize("mask_kind", ("single",) + MASK_KINDS)
-def test_backward_matrix(device, mask_kind, dtype):
+def test_backward_matrix(device, mask_kind, dtype, recompute):
     """Gradients of x and every weight through autograd (the C++ autograd calling ffn_backward) against float64
-    autograd of the reference; an expert without tokens gets exact zeros."""
+    autograd of the reference, with gate and up saved by the forward (default) or recomputed by the backward; an
+    expert without tokens gets exact zeros."""
     M, H, I = 300, 72, 40  # noqa: E741
     dual = mask_kind != "single"
     x = strided_view((M,), H, dtype, device)
     mask = make_mask(mask_kind, (M,), device) if dual else None
     w = make_weights(H, I, dtype, device, dual)
-    out, ref = run_and_check_grads(x, w, mask, TOL[dtype])
+    out, ref = run_and_check_grads(x, w, mask, TOL[dtype], recompute=recompute)
     check_out(out, ref, (M, H), dtype, device, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("shape_key", list(SHAPES))
+@pytest.mark.parametrize("mask_kind", ["single", "random", "span", "all_true"])
+def test_ffn_forward_saves_gate_up(device, mask_kind, shape_key, dtype):
+    """ffn_forward: the output bit for bit ffn's, and gate_up x.shape[:-1] + [2I] = [x·w1ᵀ, x·w3ᵀ] of each token's own
+    expert (float64 reference), every element written (the allocator poisoned before)."""
+    M, H, I = SHAPES[shape_key]  # noqa: E741
+    dual = mask_kind != "single"
+    x = strided_view((M,), H, dtype, device).reshape(1, M, H)
+    mask = make_mask(mask_kind, (1, M), device) if dual else None
+    w = make_weights(H, I, dtype, device, dual)
+    plain = OPS.ffn(x, *op_args(w, mask))
+    poison_allocator(device, 2 * M * (H + 2 * I) * x.element_size())
+    out, gate_up = OPS.ffn_forward(x, *op_args(w, mask))
+    assert torch.equal(out, plain), "ffn_forward's output differs from ffn's"
+    xd = x.double().reshape(M, H)
+    vision = mask.reshape(M, 1) if dual else torch.zeros(M, 1, dtype=torch.bool, device=device)
+    pick = lambda v, t: torch.where(vision, xd @ w[v].double().T, xd @ w[t].double().T)  # noqa: E731
+    ref = torch.cat([pick("w1", "u1" if dual else "w1"), pick("w3", "u3" if dual else "w3")], 1).reshape(1, M, 2 * I)
+    check_out(gate_up, ref, (1, M, 2 * I), dtype, device, TOL[dtype], "gate_up")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("mask_kind", ["single", "random", "all_false"])
+def test_backward_op_with_gate_up(device, mask_kind, dtype):
+    """ffn_backward(gate_up=ffn_forward's) against the float64 reference, and gate_up left unchanged by it (autograd
+    keeps it; retain_graph may run the backward again)."""
+    M, H, I = 37, 24, 72  # noqa: E741
+    dual = mask_kind != "single"
+    x = strided_view((M,), H, dtype, device)
+    mask = make_mask(mask_kind, (M,), device) if dual else None
+    w = make_weights(H, I, dtype, device, dual)
+    g = strided_view((M,), H, dtype, device, "sliced")
+    _, gate_up = OPS.ffn_forward(x, *op_args(w, mask))
+    kept = gate_up.clone()
+    got = OPS.ffn_backward(g, x, *op_args(w, mask), gate_up=gate_up)
+    assert torch.equal(gate_up, kept), "ffn_backward modified gate_up"
+    names = [n for n in W_NAMES if n in w]
+    _, ref = reference_grads(lambda a, *ws: ffn_reference(a, *op_args(dict(zip(names, ws)), mask)),
+                             [x] + [w[n] for n in names], g, [True] * (1 + len(names)))
+    for name, gt, rg in zip(["grad_x"] + [f"grad_{n}" for n in names], got, ref):
+        check_grad(gt, rg, dtype, TOL[dtype], name)
+    again = OPS.ffn_backward(g, x, *op_args(w, mask), gate_up=gate_up)
+    assert all(torch.equal(a, b) for a, b in zip(got[:1 + len(names)], again[:1 + len(names)]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dual", [False, True], ids=["single", "dual"])
+def test_activation_memory(gpu_device, dual):
+    """What a training forward keeps for the backward: with the default, exactly gate_up (2 * M * I elements) more
+    than with recompute=True; under no_grad, nothing but the output either way."""
+    M, H, I = 1024, 256, 512  # noqa: E741
+    dtype = torch.bfloat16
+    x = torch.randn(M, H, device=gpu_device, dtype=dtype, requires_grad=True)
+    mask = make_mask("random", (M,), gpu_device) if dual else None
+    w = {k: v.requires_grad_(True) for k, v in make_weights(H, I, dtype, gpu_device, dual).items()}
+    kept = {}
+    for recompute in (False, True):
+        torch.cuda.synchronize(gpu_device)
+        before = torch.cuda.memory_allocated(gpu_device)
+        out = OPS.ffn(x, *op_args(w, mask), recompute=recompute)
+        torch.cuda.synchronize(gpu_device)
+        kept[recompute] = torch.cuda.memory_allocated(gpu_device) - before - out.numel() * out.element_size()
+        out.backward(torch.ones_like(out))
+        del out
+    assert kept[False] - kept[True] == 2 * M * I * 2, kept
+    with torch.no_grad():
+        before = torch.cuda.memory_allocated(gpu_device)
+        out = OPS.ffn(x, *op_args(w, mask))
+        assert torch.cuda.memory_allocated(gpu_device) - before == out.numel() * out.element_size()
+
+
+def test_backward_twice_with_retained_graph(device):
+    """retain_graph: a second backward through the saved activations gives the same gradients."""
+    M, H, I = 37, 24, 72  # noqa: E741
+    x = torch.randn(M, H, device=device, requires_grad=True)
+    w = {k: v.requires_grad_(True) for k, v in make_weights(H, I, torch.float32, device).items()}
+    out = OPS.ffn(x, *op_args(w, make_mask("random", (M,), device)))
+    g = torch.randn_like(out)
+    first = torch.autograd.grad(out, [x, *w.values()], g, retain_graph=True)
+    second = torch.autograd.grad(out, [x, *w.values()], g)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
@@ -703,6 +789,9 @@ def test_errors_structural(device):
         (r"(?i)grad", lambda: OPS.ffn_backward(g[:-1], x, w1, w3, w2, mask, u1, u3, u2)),
         ("mask", lambda: OPS.ffn_backward(g, x, w1, w3, w2, None, u1, u3, u2)),
         (some_u, lambda: OPS.ffn_backward(g, x, w1, w3, w2, mask, u1, None, u2)),
+        ("gate_up", lambda: OPS.ffn_backward(g, x, w1, w3, w2, gate_up=torch.zeros_like(x))),  # [M, H], not [M, 2I]
+        ("gate_up", lambda: OPS.ffn_backward(g, x, w1, w3, w2, gate_up=torch.zeros(M, 2 * I, device=device,
+                                                                                    dtype=torch.float16))),
     ]
     failures = []
     for pattern, fn in cases:
@@ -767,7 +856,7 @@ def test_gradcheck_cpu_leading_shape():
 
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 #: the ops of this file; a test in test_rope_ops.py may collect these names for its every-op-is-opchecked check
-OPCHECKED = ["ffn", "ffn_backward"]
+OPCHECKED = ["ffn", "ffn_forward", "ffn_backward"]
 
 
 def _opcheck_samples(op_name):
@@ -781,8 +870,13 @@ def _opcheck_samples(op_name):
             ((mk(M, H, rg=True), *ws(True)), {}),
             ((mk(2, 3, H, rg=True), *ws(True), mask.reshape(2, 3), *ws(True)), {}),
             ((mk(M, H), *ws(True)), dict(mask=mask, u1=mk(I, H), u3=mk(I, H), u2=mk(H, I, rg=True))),
+            ((mk(M, H, rg=True), *ws(True)), dict(recompute=True)),
         ]
-    return [((mk(M, H), mk(M, H), *ws()), {}),
+    if op_name == "ffn_forward":
+        return [((mk(M, H), *ws()), {}), ((mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), {})]
+    return [((mk(M, H), mk(M, H), *ws()), dict(gate_up=mk(M, 2 * I))),
+            ((mk(2, 3, H), mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), dict(gate_up=mk(2, 3, 2 * I))),
+            ((mk(M, H), mk(M, H), *ws()), {}),
             ((mk(2, 3, H), mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), dict(allow_tf32=True)),
             ((mk(M, H), mk(M, H), *ws(), mask, *ws()), dict(output_mask=[True, True, True, True, False, False, False])),
             ((mk(M, H), mk(M, H), *ws()), dict(output_mask=[False, False, True, False, True, True, True]))]

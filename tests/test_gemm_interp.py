@@ -910,6 +910,79 @@ def test_swiglu_backward_in_place(dtype):
         assert rel_err(got, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_backward_saved_gate_up(dtype):
+    """The saved-activation backward: gate and up read from the forward's gate_up [M, 2I] (token order) through perm
+    into expert-ordered h, d_up and d_gate (dh in place); padding rows (perm < 0) come out zero, as the grad-weight
+    kernels need; gate_up is left as it was."""
+    from kernels.swiglu_backward import launch_swiglu_backward
+    gen = torch.Generator().manual_seed(37)
+    M, I = 37, 300  # noqa: E741
+    mask = make_mask("random", M, gen)
+    perm, seg = route(mask, align=ALIGN)
+    rows = perm.shape[0]
+    gate_up = rnd(gen, M, 2 * I, dtype=dtype) * 3
+    saved = gate_up.clone()
+    dh = rnd(gen, rows, I, dtype=dtype) * 3
+    valid = perm >= 0
+    ref = ref_swiglu_grads(gate_up[:, :I].double()[perm[valid].long()], gate_up[:, I:].double()[perm[valid].long()],
+                           dh.double()[valid])
+    h = torch.full((rows, I), float("nan"), dtype=dtype)
+    dup = torch.full((rows, I), float("nan"), dtype=dtype)
+    launch_swiglu_backward(gate_up[:, :I], gate_up[:, I:], dh, h, dup, perm, BLOCK_R=16, BLOCK_C=256)
+    for got, want in zip((h, dup, dh), ref):
+        assert rel_err(got[valid], want) < TOL[dtype]
+        assert (got[~valid] == 0).all()
+    assert torch.equal(gate_up, saved)
+
+
+def _saved_forward(kernel, x, mask, w1, w3, gate_up, h):
+    """Launches forward gate/up kernel `kernel` with SAVE into gate_up (and h); returns the routing it used."""
+    M = x.shape[0]
+    kw = dict(input_precision="ieee", gate_up=gate_up, **T)
+    if kernel == "ptr":
+        perm, seg = route(mask, align=ALIGN)
+        hp = torch.empty(perm.shape[0], h.shape[1], dtype=h.dtype)
+        gemm.launch_routed_swiglu(x, w1[0], w1[1], w3[0], w3[1], hp, perm, seg, h.shape[1], x.shape[1], **kw)
+        return perm
+    if kernel == "one_rows":  # single expert, token order, no perm
+        gemm.launch_routed_swiglu_pair_tma(x, torch.stack([w1[:1], w3[:1]]), h, None, None, num_programs=3,
+                                           one_rows=M, **kw)
+        return None
+    perm, seg = route(mask, align=1)  # the TMA forward's unaligned routing
+    if kernel == "gather":
+        gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, num_programs=3, **kw)
+        return perm
+    xg = gathered(x, perm, M)
+    if kernel == "pair":
+        gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, num_programs=3, **kw)
+    else:
+        gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, num_programs=3, **kw)
+    return perm
+
+
+@pytest.mark.parametrize("kernel", ["ptr", "two_mma", "pair", "gather", "one_rows"])
+@pytest.mark.parametrize("kind", ["random", "span", "all_true"])
+def test_forward_saves_gate_up(kernel, kind):
+    """SAVE: every forward gate/up kernel also writes gate_up [M, 2I] = [x·W1_eᵀ, x·W3_eᵀ] in token order, every
+    element of it (poisoned before), whatever its routing (aligned, unaligned, none); gate_up's row stride may exceed
+    2I."""
+    M, H, I = 37, 40, 24  # noqa: E741
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(41)
+    mask = make_mask(kind, M, gen) if kernel != "one_rows" else torch.zeros(M, dtype=torch.bool)
+    x = rnd(gen, M, H, dtype=dtype)
+    w1, w3 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype)
+    storage = torch.full((M, 2 * I + 8), float("nan"), dtype=dtype)
+    gate_up = storage[:, :2 * I]
+    h = torch.full((M, I), float("nan"), dtype=dtype)
+    _saved_forward(kernel, x, mask, w1, w3, gate_up, h)
+    g_ref, u_ref = ref_gate_up(x, w1, w3, mask)
+    assert rel_err(gate_up[:, :I], g_ref) < TOL[dtype]
+    assert rel_err(gate_up[:, I:], u_ref) < TOL[dtype]
+    assert torch.isnan(storage[:, 2 * I:]).all()
+
+
 def routed_here(mask, align):
     """(perm, seg) poisoned for a kernel that routes for itself (ROUTE_BLOCK), and what the routing kernel gives."""
     want = route(mask, align=align)

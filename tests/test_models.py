@@ -294,12 +294,13 @@ def test_one_route_per_forward_shared_by_every_layer():
     names = [n for n, _, _ in log.calls]
     assert names.count("route") == 1, names
     routing = next(out for n, _, out in log.calls if n == "route")
-    routed = [(n, args) for n, args, _ in log.calls if n in ("linear_dual", "ffn", "linear_dual_backward",
+    routed = [(n, args) for n, args, _ in log.calls if n in ("linear_dual", "ffn_forward", "linear_dual_backward",
                                                              "ffn_backward")]
-    assert sorted(n for n, _ in routed) == sorted(["linear_dual"] * 4 + ["ffn"] * 2 + ["linear_dual_backward"] * 4
-                                                  + ["ffn_backward"] * 2), names
+    assert sorted(n for n, _ in routed) == sorted(["linear_dual"] * 4 + ["ffn_forward"] * 2
+                                                  + ["linear_dual_backward"] * 4 + ["ffn_backward"] * 2), names
     for n, args in routed:
-        assert args[-1] is not None and args[-1].data_ptr() == routing.data_ptr(), n
+        arg = args[list(a.name for a in getattr(torch.ops.fused, n).default._schema.arguments).index("routing")]
+        assert arg is not None and arg.data_ptr() == routing.data_ptr(), n
     assert names.count("rope_fwd_qk") == 2 and names.count("rope_bwd_qk") == 2
 
 

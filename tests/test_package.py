@@ -78,7 +78,7 @@ def test_cuda_path_without_gpu_raises_cleanly():
 
 # Every op of the library that takes tensors, and how the no-JIT test below runs each one.
 EVERY_OP = {"rope_fwd", "rope_bwd", "rope_fwd_", "rope_fwd_qk", "rope_bwd_qk", "linear_dual", "linear_dual_forward",
-            "linear_dual_backward", "ffn", "ffn_backward", "route"}
+            "linear_dual_backward", "ffn", "ffn_forward", "ffn_backward", "route"}
 
 
 def test_no_jit_test_covers_every_op():
@@ -153,11 +153,15 @@ def test_cuda_ops_run_without_triton_or_jit(tmp_path):
                 with torch.inference_mode():  # no autograd: linear_dual's own CUDA kernel
                     check("linear_dual", ops.linear_dual(*lin), linear_dual_reference(*lin), tol)
                 ran.add("linear_dual")
-                differentiate("ffn dual", ("ffn", "ffn_backward"), ops.ffn, ffn_reference,
-                              [x, w(320, 256), w(320, 256), w(256, 320), mask, w(320, 256), w(320, 256), w(256, 320)],
+                # with gradients, ffn's autograd calls ffn_forward (gate and up saved), then ffn_backward; with
+                # recompute=True ffn, then ffn_backward (gate and up recomputed)
+                ffn_dual = [x, w(320, 256), w(320, 256), w(256, 320), mask, w(320, 256), w(320, 256), w(256, 320)]
+                differentiate("ffn dual", ("ffn_forward", "ffn_backward"), ops.ffn, ffn_reference, ffn_dual,
                               [True, True, True, True, False, True, True, True], tol)
-                differentiate("ffn single", ("ffn", "ffn_backward"), ops.ffn, ffn_reference,
+                differentiate("ffn single", ("ffn_forward", "ffn_backward"), ops.ffn, ffn_reference,
                               [x, w(320, 256), w(320, 256), w(256, 320)], [True] * 4, tol)
+                differentiate("ffn dual recompute", ("ffn",), lambda *a: ops.ffn(*a, recompute=True), ffn_reference,
+                              ffn_dual, [True, True, True, True, False, True, True, True], tol)
                 # a routing computed once and given to both routed ops (their kernels then read it; gather GEMMs
                 # compiled without the in-kernel routing)
                 routing = ops.route(mask)

@@ -52,23 +52,38 @@ FfnGeometry check_ffn_backward_inputs(const at::Tensor& grad_out, const at::Tens
       const std::optional<at::Tensor>&u1, const std::optional<at::Tensor>&u3, const std::optional<at::Tensor>&u2, \
       bool allow_tf32
 
+// gate_up, the activations ffn_forward saves for ffn_backward: [..., 2I] with x's leading shape and dtype, in token
+// order, gate_up[t] = [x_t · W1ᵀ, x_t · W3ᵀ] with each token's own expert's weights (the gate and up
+// pre-activations). Checks its shape, dtype and device (the _symint one for the Meta kernels).
+void check_gate_up_symint(const at::Tensor& gate_up, const at::Tensor& x, const c10::SymInt& I, const char* op);
+void check_gate_up(const at::Tensor& gate_up, const at::Tensor& x, int64_t I, const char* op);
+
 // (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2); the u gradients are undefined for the single expert.
 using FfnGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // Which of FfnGrads to compute, in its order: the others are returned undefined, and their work is skipped (a frozen
 // expert's weights, an input that needs no gradient). The last three are ignored for the single expert.
 using FfnOutputMask = std::array<bool, 7>;
-// The ops' signatures (csrc/torch_bindings.cpp), for calls through the dispatcher: .typed<FfnOp>().
-using FfnOp = at::Tensor(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing);
+// The ops' signatures (csrc/torch_bindings.cpp), for calls through the dispatcher: .typed<FfnOp>(). ffn's
+// `recompute` is read only by its autograd (csrc/ops/ffn_autograd.cpp): the backends compute the same output.
+using FfnOp = at::Tensor(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing,
+                         bool recompute);
+using FfnForwardOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, FUSED_FFN_ARGS,
+                                                        const std::optional<at::Tensor>& routing);
 using FfnBackwardOp = FfnGrads(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS,
-                               FfnOutputMask output_mask, const std::optional<at::Tensor>& routing);
+                               FfnOutputMask output_mask, const std::optional<at::Tensor>& routing,
+                               const std::optional<at::Tensor>& gate_up);
 
 // CPU: the ATen reference (each token only through its own expert; math in fp32, fp64 for fp64 inputs).
-at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing);
+at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute);
+std::tuple<at::Tensor, at::Tensor> ffn_forward_cpu(const at::Tensor& x, FUSED_FFN_ARGS,
+                                                   const std::optional<at::Tensor>& routing);
 FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask,
-                          const std::optional<at::Tensor>& routing);
+                          const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& gate_up);
 // CUDA: routing + the routed GEMM kernels (csrc/ops/routed_gemm.h).
-at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing);
+at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute);
+std::tuple<at::Tensor, at::Tensor> ffn_forward_cuda(const at::Tensor& x, FUSED_FFN_ARGS,
+                                                    const std::optional<at::Tensor>& routing);
 FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask,
-                           const std::optional<at::Tensor>& routing);
+                           const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& gate_up);
 
 }  // namespace fused

@@ -1,7 +1,12 @@
-// Autograd of ffn, in C++ so gradients flow from Python, TorchScript and libtorch alike. The forward saves only its
-// inputs and the routing given (the backward recomputes gate and up: see ffn_cuda.cpp); the backward calls the
-// public fused::ffn_backward op through the dispatcher. ffn_backward itself is not differentiable (no double
-// backward): its Autograd kernel raises if a gradient is asked through it.
+// Autograd of ffn, in C++ so gradients flow from Python, TorchScript and libtorch alike. The backward calls the public
+// fused::ffn_backward op through the dispatcher. What the forward keeps for it (csrc/ops/ffn_cuda.cpp "Backward"):
+//  * recompute = False (default): its inputs and ffn_forward's gate_up (the gate and up pre-activations, 2 * I
+//    elements per token), so that the backward runs no forward GEMM again;
+//  * recompute = True: its inputs only; the backward computes gate and up again (two more GEMMs, no [M, 2I] kept).
+// Where no gradient is recorded (no input requires one, or grad mode is off) the op runs as plain ffn and keeps
+// nothing. ffn_forward and ffn_backward themselves are not differentiable (no double backward): their Autograd
+// kernels raise if a gradient is asked through them.
+#include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -19,13 +24,21 @@ OptT opt(const Tensor& t) { return t.defined() ? OptT(t) : std::nullopt; }
 struct FfnFunction : public torch::autograd::Function<FfnFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
                         const OptT& mask, const OptT& u1, const OptT& u3, const OptT& u2, bool allow_tf32,
-                        const OptT& routing) {
+                        const OptT& routing, bool recompute) {
     auto value = [](const OptT& t) { return fused::present(t) ? *t : Tensor(); };
-    ctx->save_for_backward({x, w1, w3, w2, value(mask), value(u1), value(u3), value(u2), value(routing)});
-    ctx->saved_data["allow_tf32"] = allow_tf32;
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").typed<fused::FfnOp>();
-    return op.call(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing);
+    Tensor out, gate_up;
+    if (recompute) {
+      static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").typed<fused::FfnOp>();
+      out = op.call(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, recompute);
+    } else {
+      static auto op =
+          c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn_forward", "").typed<fused::FfnForwardOp>();
+      std::tie(out, gate_up) = op.call(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing);
+    }
+    ctx->save_for_backward({x, w1, w3, w2, value(mask), value(u1), value(u3), value(u2), value(routing), gate_up});
+    ctx->saved_data["allow_tf32"] = allow_tf32;
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -41,19 +54,32 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
                                        dual && need(7)};
     auto [gx, gw1, gw3, gw2, gu1, gu3, gu2] = op.call(grads[0], s[0], s[1], s[2], s[3], opt(s[4]), opt(s[5]),
                                                       opt(s[6]), opt(s[7]), ctx->saved_data["allow_tf32"].toBool(),
-                                                      want, opt(s[8]));
-    // Inputs: x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing.
-    return {gx, gw1, gw3, gw2, Tensor() /* mask */, gu1, gu3, gu2, Tensor() /* allow_tf32 */, Tensor() /* routing */};
+                                                      want, opt(s[8]), opt(s[9]));
+    // Inputs: x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, recompute.
+    return {gx,  gw1, gw3, gw2, Tensor() /* mask */, gu1, gu3, gu2, Tensor() /* allow_tf32 */, Tensor() /* routing */,
+            Tensor() /* recompute */};
   }
 };
 
+bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
+bool requires_grad(const OptT& t) { return fused::present(t) && t->requires_grad(); }
+
 Tensor ffn(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2, const OptT& mask, const OptT& u1,
-           const OptT& u3, const OptT& u2, bool allow_tf32, const OptT& routing) {
-  return FfnFunction::apply(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing);
+           const OptT& u3, const OptT& u2, bool allow_tf32, const OptT& routing, bool recompute) {
+  const bool record = at::GradMode::is_enabled() &&
+                      (requires_grad(x) || requires_grad(w1) || requires_grad(w3) || requires_grad(w2) ||
+                       requires_grad(u1) || requires_grad(u3) || requires_grad(u2));
+  if (!record) {  // inference: nothing to keep (ffn_forward's gate_up would be written for nothing)
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").typed<fused::FfnOp>();
+    return op.call(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, recompute);
+  }
+  return FfnFunction::apply(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, recompute);
 }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused, Autograd, m) {
   m.impl("ffn", ffn);
+  m.impl("ffn_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("ffn_backward", torch::autograd::autogradNotImplementedFallback());
 }

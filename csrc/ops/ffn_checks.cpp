@@ -74,6 +74,17 @@ FfnSymGeometry check_ffn_backward_inputs_symint(const at::Tensor& grad_out, cons
   return g;
 }
 
+void check_gate_up_symint(const at::Tensor& gate_up, const at::Tensor& x, const c10::SymInt& I, const char* op) {
+  check_like(gate_up, "gate_up", x, "x", op);
+  TORCH_SYM_CHECK(sym_equal(gate_up.sym_sizes(), with_last_symint(x, I * 2)), op,
+                  ": gate_up (ffn_forward's saved activations) must have shape x.shape[:-1] + [2 * I] = ",
+                  c10::SymIntArrayRef(with_last_symint(x, I * 2)), ", got ", gate_up.sym_sizes());
+}
+
+void check_gate_up(const at::Tensor& gate_up, const at::Tensor& x, int64_t I, const char* op) {
+  check_gate_up_symint(gate_up, x, c10::SymInt(I), op);
+}
+
 FfnGeometry check_ffn_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
                              const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
                              const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2,

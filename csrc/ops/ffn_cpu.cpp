@@ -32,34 +32,49 @@ std::vector<Expert> experts(const FfnGeometry& g, const at::Tensor& w1, const at
 at::Tensor rows_of(const at::Tensor& t, const at::Tensor& rows) { return rows.defined() ? t.index_select(0, rows) : t; }
 int64_t count(const Expert& e, int64_t M) { return e.rows.defined() ? e.rows.numel() : M; }
 
+// Token rows `rows` (every row when undefined) of dst <- src.
+void put_rows(at::Tensor& dst, const at::Tensor& rows, const at::Tensor& src) {
+  if (rows.defined()) dst.index_copy_(0, rows, src);
+  else dst.copy_(src);
+}
+
 }  // namespace
 
-at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing) {
+std::tuple<at::Tensor, at::Tensor> ffn_forward_cpu(const at::Tensor& x, FUSED_FFN_ARGS,
+                                                   const std::optional<at::Tensor>& routing) {
   const FfnGeometry g = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2, routing);
   if (present(routing)) check_routing_of_mask(*routing, *mask, "ffn");  // the CPU routes from the mask
   const auto ct = compute_type(x.scalar_type());
   const at::Tensor xr = x.reshape({g.M, g.H}).to(ct);
   at::Tensor out = at::zeros({g.M, g.H}, x.options().dtype(ct));
+  at::Tensor gate_up = at::zeros({g.M, 2 * g.I}, x.options().dtype(ct));
   for (const Expert& e : experts(g, w1, w3, w2, mask, u1, u3, u2, ct)) {
     if (count(e, g.M) == 0) continue;
     const at::Tensor xe = rows_of(xr, e.rows);
-    const at::Tensor h = at::silu(xe.matmul(e.w1.t())) * xe.matmul(e.w3.t());
-    const at::Tensor y = h.matmul(e.w2.t());
-    if (e.rows.defined()) out.index_copy_(0, e.rows, y);
-    else out.copy_(y);
+    const at::Tensor gate = xe.matmul(e.w1.t()), up = xe.matmul(e.w3.t());
+    put_rows(out, e.rows, (at::silu(gate) * up).matmul(e.w2.t()));
+    put_rows(gate_up, e.rows, at::cat({gate, up}, 1));
   }
-  return out.to(x.scalar_type()).reshape(x.sizes());
+  return {out.to(x.scalar_type()).reshape(x.sizes()), gate_up.to(x.scalar_type()).reshape(with_last(x, 2 * g.I))};
 }
 
+at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute) {
+  (void)recompute;
+  return std::get<0>(ffn_forward_cpu(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing));
+}
+
+// gate_up (ffn_forward's): gate and up are read from it, as the CUDA backward does, instead of recomputed.
 FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask,
-                          const std::optional<at::Tensor>& routing) {
+                          const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& gate_up) {
   const FfnGeometry g = check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2, routing);
   if (present(routing)) check_routing_of_mask(*routing, *mask, "ffn");
+  if (present(gate_up)) check_gate_up(*gate_up, x, g.I, "ffn_backward");
   const auto dt = x.scalar_type();
   const auto ct = compute_type(dt);
   const auto copt = x.options().dtype(ct);
   const at::Tensor xr = x.reshape({g.M, g.H}).to(ct);
   const at::Tensor dy = grad_out.reshape({g.M, g.H}).to(ct);
+  const at::Tensor gu = present(gate_up) ? gate_up->reshape({g.M, 2 * g.I}).to(ct) : at::Tensor();
   const bool want_gx = output_mask[0];
   at::Tensor gx = want_gx ? at::zeros({g.M, g.H}, copt) : at::Tensor();
   at::Tensor gw[6];  // (grad_w1, grad_w3, grad_w2) per expert, in experts()' order (as the op returns them)
@@ -75,7 +90,9 @@ FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED
     }
     if (!want_gx && !want[0] && !want[1] && !want[2]) continue;
     const at::Tensor xe = rows_of(xr, e.rows), dye = rows_of(dy, e.rows);
-    const at::Tensor gate = xe.matmul(e.w1.t()), up = xe.matmul(e.w3.t());
+    const at::Tensor gue = gu.defined() ? rows_of(gu, e.rows) : at::Tensor();
+    const at::Tensor gate = gue.defined() ? gue.narrow(1, 0, g.I) : xe.matmul(e.w1.t());
+    const at::Tensor up = gue.defined() ? gue.narrow(1, g.I, g.I) : xe.matmul(e.w3.t());
     const at::Tensor s = at::sigmoid(gate);
     const at::Tensor act = gate * s;                         // silu(gate)
     const at::Tensor h = act * up;
@@ -83,9 +100,7 @@ FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED
     const at::Tensor dup = dh * act;
     const at::Tensor dgate = dh * up * (s + act * (1 - s));  // silu'(g) = s (1 + g (1 - s))
     if (want_gx) {
-      const at::Tensor dxe = dgate.matmul(e.w1) + dup.matmul(e.w3);
-      if (e.rows.defined()) gx.index_copy_(0, e.rows, dxe);
-      else gx.copy_(dxe);
+      put_rows(gx, e.rows, dgate.matmul(e.w1) + dup.matmul(e.w3));
     }
     if (want[0]) gw[3 * i] = dgate.t().matmul(xe);
     if (want[1]) gw[3 * i + 1] = dup.t().matmul(xe);

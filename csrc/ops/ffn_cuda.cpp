@@ -14,14 +14,21 @@
 //   Pointer kernels otherwise (x gathered through perm inside the swiglu kernel; h [M_pad, I] on the aligned
 //   routing they need).
 //
-// Backward: the forward saves only its inputs (x and the weights), no activations. Saving gate and up (or h) would
-// keep 2-3 [M, I] tensors per layer alive until the backward (I is typically ~2.7 H, so several times the [M, H]
-// input that is saved anyway); recomputing gate and up instead costs two more GEMM passes in the backward (8 instead
-// of 6; forward + backward 11 instead of 9 passes of 2*M*H*I flops, ~1.2x). Then:
-//   dh = dy·w2, gate = x·w1ᵀ, up = x·w3ᵀ (recomputed)   (routed_linear)
-//   h, dgate, dup from gate, up, dh                     (one in-place elementwise kernel, fp32 math)
-//   (TMA path, where the paired gate/up GEMM serves: gate and up from one GEMM whose epilogue computes h, dgate, dup
-//   directly, reading dh: gate and up are never stored)
+// ffn_forward: the same, and the gate/up kernel's epilogue also stores gate and up (fp32 accumulators rounded to the
+//   dtype) into gate_up [M, 2I] in token order (kernels/gemm.py _save_gate_up): 2 * M * I more elements written.
+//
+// Backward. Gate and up come from one of two places (ffn's `recompute`):
+//  * saved (the default): gate_up from ffn_forward, kept by autograd from the forward: 2 * M * I elements per layer,
+//    half of what a plain PyTorch SwiGLU MLP keeps (gate, silu(gate), up and h). The backward then runs only the six
+//    GEMMs the gradients need (forward + backward 9 passes of 2*M*H*I flops).
+//  * recomputed: the forward keeps only its inputs (x, which is saved anyway, and the weights); the backward computes
+//    gate and up again: two more GEMM passes (8 in the backward instead of 6, ~1.2x the flops of forward + backward).
+// Then:
+//   dh = dy·w2                                          (routed_linear)
+//   h, dgate, dup from gate, up, dh                     (one elementwise kernel, fp32 math; saved: gate and up read
+//                                                        from gate_up, through perm into expert order on TMA)
+//   (recompute on the TMA path, where the paired gate/up GEMM serves: gate and up from one GEMM whose epilogue
+//   computes h, dgate, dup directly, reading dh: gate and up are never stored)
 //   dw2 = dyᵀ·h, dw1 = dgateᵀ·x, dw3 = dupᵀ·x           (routed_grad_weight, per expert)
 //   dx = dgate·w1 + dup·w3                              (two routed_linear grad-input passes, summed)
 //   TMA path: x and dy are gathered once and every intermediate is expert-ordered ([M_pad, .]); pointer path:
@@ -67,29 +74,47 @@ Projections projections(const FfnGeometry& geo, FUSED_FFN_ARGS) {
   return {routed::Experts(*u1, w1, false), routed::Experts(*u3, w3, false), routed::Experts(*u2, w2, false)};
 }
 
-// In place, one elementwise pass (kernels/swiglu_backward.py): gate <- h = silu(gate) * up, up <- d_up,
-// dh <- d_gate, fp32 math. The three buffers are contiguous [rows, I] allocations of this op.
-void swiglu_backward(const routed::Gemm& g, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dh) {
-  TORCH_INTERNAL_ASSERT(gate.is_contiguous() && up.is_contiguous() && dh.is_contiguous() &&
-                        up.sizes() == gate.sizes() && dh.sizes() == gate.sizes());
-  const int64_t rows = gate.size(0), cols = gate.size(1);
+// One elementwise pass (kernels/swiglu_backward.py), fp32 math: h = silu(gate) * up, d_up, and d_gate over dh. h, dup
+// and dh are contiguous [rows, I] allocations of this op. gate / up: [., I] views of one row stride, read at row
+// perm[r] (perm defined: the saved gate_up in token order, into expert-ordered buffers) or r; they may be h and dup
+// themselves (in place: the recomputed gate and up).
+void swiglu_backward(const routed::Gemm& g, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dh,
+                     const at::Tensor& h, const at::Tensor& dup, const at::Tensor& perm) {
+  TORCH_INTERNAL_ASSERT(h.is_contiguous() && dup.is_contiguous() && dh.is_contiguous() && dup.sizes() == h.sizes() &&
+                        dh.sizes() == h.sizes() && gate.stride(0) == up.stride(0) && gate.stride(1) == 1 &&
+                        up.stride(1) == 1);
+  const int64_t rows = h.size(0), cols = h.size(1);
   KernelArgs a;
-  a.ptr(gate.data_ptr()).ptr(up.data_ptr()).ptr(dh.data_ptr()).i32(rows).i32(cols).i32(cols);
+  a.ptr(gate.data_ptr()).ptr(up.data_ptr()).ptr(dh.data_ptr()).ptr(h.data_ptr()).ptr(dup.data_ptr())
+      .ptr(perm.defined() ? perm.data_ptr() : h.data_ptr())
+      .i32(rows).i32(cols).i32(gate.stride(0)).i32(cols);
   TORCH_CHECK((rows + 15) / 16 <= std::numeric_limits<int32_t>::max() && (cols + 255) / 256 <= 65535,
               "ffn: backward too large for one launch (", rows, " x ", cols, ")");
-  launch_on_current_stream("swiglu_backward_kernel", "dtype=" + g.dt, a,
+  launch_on_current_stream("swiglu_backward_kernel",
+                           "dtype=" + g.dt + ",gather=" + (perm.defined() ? "1" : "0"), a,
                            Grid{static_cast<uint32_t>((rows + 15) / 16), static_cast<uint32_t>((cols + 255) / 256), 1},
-                           gate);  // BLOCK_R = 16, BLOCK_C = 256 (aot/manifest.py)
+                           h);  // BLOCK_R = 16, BLOCK_C = 256 (aot/manifest.py)
 }
-}  // namespace
 
-at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing) {
+// ffn's output, and with `save` gate_up (ffn_forward).
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, FUSED_FFN_ARGS,
+                                           const std::optional<at::Tensor>& routing, bool save) {
   check_all_cuda(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
   const FfnGeometry geo = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2, routing);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({geo.M, geo.H}, x.options());
-  if (geo.M == 0 || geo.H == 0) return out.view(x.sizes());
-  if (geo.I == 0) return out.zero_().view(x.sizes());
+  at::Tensor gate_up = save ? at::empty({geo.M, 2 * geo.I}, x.options()) : at::Tensor();
+  const auto result = [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    return {out.view(x.sizes()), save ? gate_up.view(with_last(x, 2 * geo.I)) : gate_up};
+  };
+  if (geo.M == 0 || geo.H == 0) {
+    if (save) gate_up.zero_();  // x·wᵀ over H = 0 columns
+    return result();
+  }
+  if (geo.I == 0) {
+    out.zero_();
+    return result();
+  }
 
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
   const bool tma = g.tma_usable({geo.H, geo.I}, /*swiglu=*/true);
@@ -109,39 +134,57 @@ at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at:
   // Rows of h that belong to no token (padding of an aligned routing) are never written, and the down projection
   // does not store what it computes from them: no initialization needed.
   at::Tensor h = at::empty({r.rows(), geo.I}, x.options());
-  routed::swiglu(g, r, routed::tokens(xr), p.gate, p.up, h, tma, /*gather_into=*/out);
+  routed::swiglu(g, r, routed::tokens(xr), p.gate, p.up, h, tma, /*gather_into=*/out, gate_up);
   routed::linear(g, r, routed::ordered(h), p.down, at::Tensor(), at::Tensor(), routed::tokens(out),
                  /*w_transposed=*/false, tma);
-  return out.view(x.sizes());
+  return result();
+}
+}  // namespace
+
+at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute) {
+  (void)recompute;
+  return std::get<0>(forward(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, /*save=*/false));
+}
+
+std::tuple<at::Tensor, at::Tensor> ffn_forward_cuda(const at::Tensor& x, FUSED_FFN_ARGS,
+                                                    const std::optional<at::Tensor>& routing) {
+  return forward(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, /*save=*/true);
 }
 
 FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS,
-                           FfnOutputMask output_mask, const std::optional<at::Tensor>& routing) {
+                           FfnOutputMask output_mask, const std::optional<at::Tensor>& routing,
+                           const std::optional<at::Tensor>& gate_up) {
   check_all_cuda(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
   check_cuda(grad_out, "grad_out", kOp);
   const FfnGeometry geo = check_ffn_backward_inputs(grad_out, x, w1, w3, w2, mask, u1, u3, u2, routing);
+  const bool saved = present(gate_up);
+  if (saved) check_gate_up(*gate_up, x, geo.I, "ffn_backward");
   c10::cuda::CUDAGuard guard(x.device());
   const auto opt = x.options();
   // Per expert e (0 = text, 1 = vision; single: 0 only): grad of the gate, up and down weights where asked for
-  // (output_mask: vision = w* at 1..3, text = u* at 4..6; the single expert's w* at 1..3).
-  at::Tensor dw1[2], dw3[2], dw2[2];
+  // (output_mask: vision = w* at 1..3, text = u* at 4..6; the single expert's w* at 1..3). Each gradient is
+  // allocated just before the GEMM that writes it, and each intermediate freed after its last reader: the peak of
+  // the backward is then about 3 [M_pad, I] buffers and dw2, or 2 of them and every weight gradient, not all at once.
+  at::Tensor dw1[2], dw3[2], dw2[2], gx;
   const int64_t E = geo.dual ? 2 : 1;
-  for (int64_t e = 0; e < E; ++e) {
-    const bool* want = &output_mask[geo.dual && e == 0 ? 4 : 1];
-    if (want[0]) dw1[e] = at::empty({geo.I, geo.H}, opt);
-    if (want[1]) dw3[e] = at::empty({geo.I, geo.H}, opt);
-    if (want[2]) dw2[e] = at::empty({geo.H, geo.I}, opt);
-  }
-  at::Tensor gx = output_mask[0] ? at::empty(x.sizes(), opt) : at::Tensor();
+  const auto wanted = [&](int64_t e, int j) { return output_mask[(geo.dual && e == 0 ? 4 : 1) + j]; };
+  const auto allocate = [&](at::Tensor (&t)[2], int j, at::IntArrayRef size) {
+    for (int64_t e = 0; e < E; ++e)
+      if (wanted(e, j)) t[e] = at::empty(size, opt);
+  };
   auto result = [&]() -> FfnGrads {
     if (!geo.dual) return {gx, dw1[0], dw3[0], dw2[0], at::Tensor(), at::Tensor(), at::Tensor()};
     return {gx, dw1[1], dw3[1], dw2[1], dw1[0], dw3[0], dw2[0]};  // (w1, w3, w2) = vision, (u1, u3, u2) = text
   };
-  const auto any = [](const at::Tensor (&t)[2]) { return t[0].defined() || t[1].defined(); };
-  const bool want_dw1 = any(dw1), want_dw3 = any(dw3), want_dw2 = any(dw2);
-  if (!gx.defined() && !want_dw1 && !want_dw3 && !want_dw2) return result();
+  const auto any = [&](int j) { return wanted(0, j) || (E == 2 && wanted(1, j)); };
+  const bool want_dw1 = any(0), want_dw3 = any(1), want_dw2 = any(2);
+  if (!output_mask[0] && !want_dw1 && !want_dw3 && !want_dw2) return result();
   if (geo.M == 0 || geo.H == 0 || geo.I == 0) {  // every gradient is zero (or empty)
-    for (at::Tensor* t : {&gx, &dw1[0], &dw1[1], &dw3[0], &dw3[1], &dw2[0], &dw2[1]})
+    if (output_mask[0]) gx = at::zeros(x.sizes(), opt);
+    allocate(dw1, 0, {geo.I, geo.H});
+    allocate(dw3, 1, {geo.I, geo.H});
+    allocate(dw2, 2, {geo.H, geo.I});
+    for (at::Tensor* t : {&dw1[0], &dw1[1], &dw3[0], &dw3[1], &dw2[0], &dw2[1]})
       if (t->defined()) t->zero_();
     return result();
   }
@@ -160,8 +203,8 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
   const auto expert_ordered = [&](const at::Tensor& t) {
     return !tma || (in_place && routed::tma_in_place(t)) ? t : routed::gather_rows(g, r, t);
   };
-  const at::Tensor xa = expert_ordered(xr);
-  const at::Tensor dya = expert_ordered(dyr);
+  at::Tensor xa = expert_ordered(xr);
+  at::Tensor dya = expert_ordered(dyr);
   const int64_t rows = tma ? r.M_pad : geo.M;
   auto as = [&](const at::Tensor& t) { return routed::Rows{t, tma}; };
   const at::Tensor none;
@@ -173,24 +216,43 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
   at::Tensor h = at::empty({rows, geo.I}, opt), dup = at::empty({rows, geo.I}, opt);
   at::Tensor dgate = at::empty({rows, geo.I}, opt);
   routed::linear(g, r, as(dya), p.down, none, none, as(dgate), /*w_transposed=*/true, tma);  // dh = dy·w2_e
-  // On the TMA path, where the paired gate/up GEMM serves, gate and up are recomputed and turned into h, d_up and
-  // d_gate in its epilogue (never stored: two [M_pad, I] writes and the elementwise pass's reads of them saved).
-  if (!(tma && routed::swiglu_backward_pair(g, r, xa, p.gate, p.up, h, dup, dgate))) {
+  if (saved) {
+    // gate and up from the forward, token order: read through perm into the expert-ordered buffers (TMA), or in
+    // place (the pointer path's buffers are in token order).
+    const at::Tensor gu = as_rows(*gate_up);
+    routed::ensure_routed(r);
+    swiglu_backward(g, gu.narrow(1, 0, geo.I), gu.narrow(1, geo.I, geo.I), dgate, h, dup, tma ? r.perm : none);
+  } else if (!(tma && routed::swiglu_backward_pair(g, r, xa, p.gate, p.up, h, dup, dgate))) {
+    // Recompute. On the TMA path, where the paired gate/up GEMM serves, gate and up are turned into h, d_up and
+    // d_gate in its epilogue (never stored: two [M_pad, I] writes and the elementwise pass's reads of them saved).
     routed::linear(g, r, as(xa), p.gate, none, none, as(h), /*w_transposed=*/false, tma);  // gate = x·w1_eᵀ
     routed::linear(g, r, as(xa), p.up, none, none, as(dup), /*w_transposed=*/false, tma);  // up = x·w3_eᵀ
-    swiglu_backward(g, h, dup, dgate);
+    swiglu_backward(g, h, dup, dgate, h, dup, none);
   }
   // Weight gradients: only the experts' asked for launch programs (routed::grad_weight skips an undefined output).
-  if (want_dw2) routed::grad_weight(g, r, as(dya), as(h), dw2[0], dw2[1], none, none, tma);  // dw2_e = dy_eᵀ·h_e
+  // Order: dw2 (the last reader of h and dy), dx, dw1 (the last of dgate), dw3 (the last of dup and x).
+  if (want_dw2) {
+    allocate(dw2, 2, {geo.H, geo.I});
+    routed::grad_weight(g, r, as(dya), as(h), dw2[0], dw2[1], none, none, tma);  // dw2_e = dy_eᵀ·h_e
+  }
   h.reset();
-  if (want_dw1) routed::grad_weight(g, r, as(dgate), as(xa), dw1[0], dw1[1], none, none, tma);  // dgate_eᵀ·x_e
-  if (want_dw3) routed::grad_weight(g, r, as(dup), as(xa), dw3[0], dw3[1], none, none, tma);    // dup_eᵀ·x_e
-  if (gx.defined()) {  // dx = dgate·w1_e + dup·w3_e
+  dya.reset();
+  if (output_mask[0]) {  // dx = dgate·w1_e + dup·w3_e
+    gx = at::empty(x.sizes(), opt);
     at::Tensor gx2 = gx.view({geo.M, geo.H});
     routed::linear(g, r, as(dgate), p.gate, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma);
     at::Tensor gx_up = at::empty({geo.M, geo.H}, opt);
     routed::linear(g, r, as(dup), p.up, none, none, routed::tokens(gx_up), /*w_transposed=*/true, tma);
     gx2.add_(gx_up);
+  }
+  if (want_dw1) {
+    allocate(dw1, 0, {geo.I, geo.H});
+    routed::grad_weight(g, r, as(dgate), as(xa), dw1[0], dw1[1], none, none, tma);  // dgate_eᵀ·x_e
+  }
+  dgate.reset();
+  if (want_dw3) {
+    allocate(dw3, 1, {geo.I, geo.H});
+    routed::grad_weight(g, r, as(dup), as(xa), dw3[0], dw3[1], none, none, tma);  // dup_eᵀ·x_e
   }
   return result();
 }

@@ -5,5 +5,6 @@
 
 TORCH_LIBRARY_IMPL(fused, CPU, m) {
   m.impl("ffn", fused::ffn_cpu);
+  m.impl("ffn_forward", fused::ffn_forward_cpu);
   m.impl("ffn_backward", fused::ffn_backward_cpu);
 }

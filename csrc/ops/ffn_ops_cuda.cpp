@@ -5,5 +5,6 @@
 
 TORCH_LIBRARY_IMPL(fused, CUDA, m) {
   m.impl("ffn", fused::ffn_cuda);
+  m.impl("ffn_forward", fused::ffn_forward_cuda);
   m.impl("ffn_backward", fused::ffn_backward_cuda);
 }

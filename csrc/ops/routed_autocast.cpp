@@ -67,7 +67,8 @@ Tensor linear_dual_autocast(const Tensor& x, const Tensor& mask, const Tensor& w
 
 template <c10::DeviceType D>
 Tensor ffn_autocast(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2, const OptT& mask,
-                    const OptT& u1, const OptT& u3, const OptT& u2, bool allow_tf32, const OptT& routing) {
+                    const OptT& u1, const OptT& u3, const OptT& u2, bool allow_tf32, const OptT& routing,
+                    bool recompute) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(D));
   const at::ScalarType dt = at::autocast::get_autocast_dtype(D);
   // the text expert (u*) is [0] of a stacked projection, the vision (or only) expert (w*) [1]
@@ -76,7 +77,7 @@ Tensor ffn_autocast(const Tensor& x, const Tensor& w1, const Tensor& w3, const T
   const auto [c_u2, c_w2] = cast_experts<D>(dt, u2, w2);
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").typed<fused::FfnOp>();
   return op.call(at::autocast::cached_cast(dt, x, D), *c_w1, *c_w3, *c_w2, mask, c_u1, c_u3, c_u2, allow_tf32,
-                 routing);
+                 routing, recompute);
 }
 }  // namespace
 

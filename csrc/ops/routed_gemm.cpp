@@ -58,11 +58,12 @@ std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, bool bias, cons
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", flag(scatter)}, {"wt", flag(wt)},
                    {"bias", flag(bias)}, {"cfg", c.cfg}});
 }
-std::string swiglu_key(const Gemm& g, const KernelConfig& c) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", "1"}, {"scatter", "0"}, {"cfg", c.cfg}});
+std::string swiglu_key(const Gemm& g, bool save, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", "1"}, {"scatter", "0"}, {"save", flag(save)},
+                   {"cfg", c.cfg}});
 }
-std::string swiglu_tma_key(const Gemm& g, const KernelConfig& c) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", "0"}, {"cfg", c.cfg}});
+std::string swiglu_tma_key(const Gemm& g, bool save, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", "0"}, {"save", flag(save)}, {"cfg", c.cfg}});
 }
 std::string grad_weight_tma_key(const Gemm& g, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
@@ -545,12 +546,19 @@ std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Expe
 }  // namespace
 
 void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma,
-            const at::Tensor& gather_into) {
+            const at::Tensor& gather_into, const at::Tensor& gate_up) {
   const int64_t I = w1.rows(), H = w1.cols();
   TORCH_INTERNAL_ASSERT(w3.rows() == I && w3.cols() == H && w1.single() == w3.single());
   TORCH_INTERNAL_ASSERT(r.aligned || tma, "routed GEMM: the pointer swiglu needs an aligned routing");
   check_rows(r, a, H, "x");
   check_rows(r, ordered(h), I, "h");
+  // SAVE: gate and up also into gate_up [M, 2I] in token order (kernels/gemm.py _save_gate_up); otherwise the
+  // kernels' gu_ptr / stride_gu are h's pointer and 0, never read.
+  const bool save = gate_up.defined();
+  TORCH_INTERNAL_ASSERT(!save || (gate_up.dim() == 2 && gate_up.size(0) == r.M && gate_up.size(1) == 2 * I &&
+                                  gate_up.stride(1) == 1 && gate_up.scalar_type() == h.scalar_type()));
+  const void* gu = save ? gate_up.data_ptr() : h.data_ptr();
+  const int64_t stride_gu = save ? gate_up.stride(0) : 0;
   KernelArgs args;
   if (tma && !a.expert_ordered && !r.single) {
     // Token-order x: gather its rows inside the GEMM where the table says that beats the gather copy, and route a
@@ -563,13 +571,14 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
       args.ptr(a.t.data_ptr())
           .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
           .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
-          .ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+          .ptr(h.data_ptr()).ptr(gu).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
           .ptr(here.mask).i32(r.M)
-          .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0)).i32(swiglu_map(s1, s3));
+          .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0)).i32(stride_gu).i32(swiglu_map(s1, s3));
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(I, c->block[1]);
       launch_on_current_stream("routed_swiglu_gather_tma_kernel",
                                make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c->cfg},
-                                         {"route", std::to_string(here.block)}, {"align", align_str(r)}}),
+                                         {"route", std::to_string(here.block)}, {"align", align_str(r)},
+                                         {"save", flag(save)}}),
                                args, grid(std::min<int64_t>(g.sms, tiles)), h);
       r.pending = at::Tensor();
       return;
@@ -585,11 +594,14 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
       args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1});
       pair->add_descriptor(args, I, H);
       pair->add_descriptor(args, I, H);  // w13h_desc: the split last round's half-width tiles
-      args.ptr(h.data_ptr()).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
-          .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(pair->up_first ? 1 : 0).i32(pair->lo.map);
+      args.ptr(h.data_ptr()).ptr(gu).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
+          .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(stride_gu).i32(pair->up_first ? 1 : 0)
+          .i32(pair->lo.map);
       const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(I, pair->cfg->block[1]);
       launch_on_current_stream("routed_swiglu_pair_tma_kernel",
-                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", pair->cfg->cfg}}), args,
+                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"save", flag(save)},
+                                         {"cfg", pair->cfg->cfg}}),
+                               args,
                                grid(std::min<int64_t>(g.sms, tiles)), h);
       return;
     }
@@ -599,10 +611,10 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
         .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
         .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
-        .ptr(h.data_ptr()).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
-        .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(swiglu_map(s1, s3));
+        .ptr(h.data_ptr()).ptr(gu).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
+        .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(stride_gu).i32(swiglu_map(s1, s3));
     const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(I, c.block[1]);
-    launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g, c), args,
+    launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g, save, c), args,
                              grid(std::min<int64_t>(g.sms, tiles)), h);
   } else {
     ensure_routed(r);
@@ -614,9 +626,9 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     }
     const KernelConfig& c = config(g, "routed_swiglu_kernel", r.M);
     args.ptr(a.t.data_ptr()).ptr(w1.w0().data_ptr()).ptr(w1.w1().data_ptr()).ptr(w3.w0().data_ptr())
-        .ptr(w3.w1().data_ptr()).ptr(h.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-        .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(w1.ld()).i32(h.stride(0));
-    launch_on_current_stream("routed_swiglu_kernel", swiglu_key(g, c), args,
+        .ptr(w3.w1().data_ptr()).ptr(h.data_ptr()).ptr(gu).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+        .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(w1.ld()).i32(h.stride(0)).i32(stride_gu);
+    launch_on_current_stream("routed_swiglu_kernel", swiglu_key(g, save, c), args,
                              grid((r.M_pad / c.block[0]) * cdiv(I, c.block[1])), h);
   }
 }

@@ -225,8 +225,10 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 // that belong to no token are not written.
 // Pointer kernel: a in token order. TMA: a in token order is read in place for a single expert (as in linear),
 // gathered inside the GEMM where the table says so, else gathered first (gather_rows into `gather_into`).
+// gate_up, when defined ([M, 2I], unit inner stride, h's dtype): also gets the pre-activations in token order,
+// gate_up[t] = [a_t · W1_eᵀ, a_t · W3_eᵀ] (the activations the ffn backward reads instead of recomputing them).
 void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma,
-            const at::Tensor& gather_into = at::Tensor());
+            const at::Tensor& gather_into = at::Tensor(), const at::Tensor& gate_up = at::Tensor());
 
 // The ffn backward's gate/up recompute fused with the SwiGLU backward (routed_swiglu_pair_bwd_tma_kernel), where the
 // pair kernel serves m (sm_90 table) and W1 / W3 allow its rank-4 descriptor: from expert-ordered x [M_pad, H] (aligned

@@ -49,8 +49,8 @@ Tensor ffn(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fused::ffn", "")
                        .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptT&,
-                                     const OptT&, const OptT&, const OptT&, bool, const OptT&)>();
-  return op.call(x, w1, w3, w2, mask, u1, u3, u2, false, std::nullopt);
+                                     const OptT&, const OptT&, const OptT&, bool, const OptT&, bool)>();
+  return op.call(x, w1, w3, w2, mask, u1, u3, u2, false, std::nullopt, /*recompute=*/false);
 }
 
 // ----------------------------------------------------------------------- the formulas, in ATen (docs/design.md)

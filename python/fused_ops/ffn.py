@@ -35,6 +35,7 @@ def ffn(
     u2: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
     routing: Optional[torch.Tensor] = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """SwiGLU MLP `w2(silu(w1 x) * w3 x)`, optionally routed per token between two experts.
 
@@ -42,8 +43,14 @@ def ffn(
     (w1, w3, w2) where `mask[i]` is true (vision) and through (u1, u3, u2) elsewhere (text). Anything in between
     (a mask without u's, u's without a mask, some u's only) raises.
 
-    Differentiable w.r.t. `x` and every weight (the op's C++ autograd calls `torch.ops.fused.ffn_backward`, which
-    recomputes the intermediate activations instead of saving them). An expert with no tokens gets all-zero weight
+    Differentiable w.r.t. `x` and every weight (the op's C++ autograd calls `torch.ops.fused.ffn_backward`). What
+    the forward keeps for the backward (`recompute`): by default the gate and up pre-activations (`2 * I` elements
+    per token, from `torch.ops.fused.ffn_forward`; half of what a plain PyTorch SwiGLU MLP keeps), so that the
+    backward runs only the six GEMMs the gradients need; with ``recompute=True`` nothing beyond the inputs, and the
+    backward computes gate and up again (two more GEMMs: about 1.2x the forward + backward flops, for
+    memory-bound training). Both give the same forward output; their gradients differ only by where gate and up were
+    rounded (saved in x's dtype, or recomputed in fp32). Under `torch.no_grad()` (or with nothing requiring a gradient)
+    nothing is kept either way. An expert with no tokens gets all-zero weight
     gradients. The backward computes only the gradients autograd asks for (its `output_mask`): a frozen expert's
     weights (``requires_grad=False``, e.g. the language model's in CogVLM training) cost no grad-weight work, an `x`
     that needs no gradient no grad-input GEMMs.
@@ -61,12 +68,13 @@ def ffn(
         routing: dual only: `fused_ops.route(mask)`, computed once for all the routed ops on this mask (then this op
             routes nothing and allocates nothing beside the intermediate), or None: the op routes `mask` itself.
             See `fused_ops.route`.
+        recompute: see above (autograd only; the output does not depend on it).
     Returns a new contiguous `[..., H]` tensor of x's dtype. The intermediate `silu(x w1ᵀ) * (x w3ᵀ)` is computed in
     fp32 and stored once in x's dtype before the down projection (as an unfused bf16 MLP would).
     Inside `torch.autocast` the floating-point inputs are first cast to the region's dtype, as for
     `torch.nn.functional.linear` (the result then has that dtype; float64 is left alone).
     """
-    return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing)
+    return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, recompute)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -137,7 +145,7 @@ class FusedSwiGLU(nn.Module):
     Args:
         hidden_size: H.
         intermediate_size: I.
-        allow_tf32, device, dtype: keyword-only (see `ffn`; factory arguments as for nn.Linear).
+        allow_tf32, recompute, device, dtype: keyword-only (see `ffn`; factory arguments as for nn.Linear).
 
     Parameters (nn.Linear layout, no bias):
         w1: gate projection `[I, H]` (HF `gate_proj.weight`).
@@ -145,13 +153,14 @@ class FusedSwiGLU(nn.Module):
         w2: down projection `[H, I]` (HF `down_proj.weight`).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, allow_tf32: bool = False, device=None,
-                 dtype=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, allow_tf32: bool = False,
+                 recompute: bool = False, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.hidden_size = int(hidden_size)
         self.intermediate_size = int(intermediate_size)
         self.allow_tf32 = bool(allow_tf32)
+        self.recompute = bool(recompute)
         self.w1 = nn.Parameter(torch.empty(self.intermediate_size, self.hidden_size, **factory))
         self.w3 = nn.Parameter(torch.empty(self.intermediate_size, self.hidden_size, **factory))
         self.w2 = nn.Parameter(torch.empty(self.hidden_size, self.intermediate_size, **factory))
@@ -163,7 +172,7 @@ class FusedSwiGLU(nn.Module):
             _init_linear_(w)
 
     @classmethod
-    def from_llama_mlp(cls, mlp: nn.Module, *, allow_tf32: bool = False) -> "FusedSwiGLU":
+    def from_llama_mlp(cls, mlp: nn.Module, *, allow_tf32: bool = False, recompute: bool = False) -> "FusedSwiGLU":
         """A FusedSwiGLU holding copies of an HF `LlamaMLP`'s weights (gate_proj -> w1, up_proj -> w3,
         down_proj -> w2), on their device and dtype.
 
@@ -172,7 +181,8 @@ class FusedSwiGLU(nn.Module):
         activation (e.g. hidden_act 'gelu') or for projections with a bias (`mlp_bias=True`).
         """
         w1, w3, w2 = _swiglu_weights(mlp, "FusedSwiGLU.from_llama_mlp")
-        mod = cls(w1.shape[1], w1.shape[0], allow_tf32=allow_tf32, device=w1.device, dtype=w1.dtype)
+        mod = cls(w1.shape[1], w1.shape[0], allow_tf32=allow_tf32, recompute=recompute, device=w1.device,
+                  dtype=w1.dtype)
         with torch.no_grad():
             mod.w1.copy_(w1)
             mod.w3.copy_(w3)
@@ -181,11 +191,12 @@ class FusedSwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: `[..., hidden_size]` -> `[..., hidden_size]`."""
-        return torch.ops.fused.ffn(x, self.w1, self.w3, self.w2, None, None, None, None, self.allow_tf32)
+        return torch.ops.fused.ffn(x, self.w1, self.w3, self.w2, None, None, None, None, self.allow_tf32, None,
+                                   self.recompute)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"
-                + (", allow_tf32=True" if self.allow_tf32 else ""))
+                + (", allow_tf32=True" if self.allow_tf32 else "") + (", recompute=True" if self.recompute else ""))
 
 
 class DualExpertSwiGLU(nn.Module):
@@ -195,7 +206,7 @@ class DualExpertSwiGLU(nn.Module):
     Args:
         hidden_size: H.
         intermediate_size: I.
-        allow_tf32, device, dtype: keyword-only (see `ffn`; factory arguments as for nn.Linear).
+        allow_tf32, recompute, device, dtype: keyword-only (see `ffn`; factory arguments as for nn.Linear).
 
     Parameters: each projection of both experts in ONE tensor (so the kernels read both experts through one TMA
     descriptor, no copy), expert index 0 = text, 1 = vision, nn.Linear layout per expert:
@@ -209,13 +220,14 @@ class DualExpertSwiGLU(nn.Module):
     # Left to Python by `torch.jit.script` (see DualLinear): forward does not use them.
     __jit_unused_properties__ = ["vision_weights", "text_weights"]
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, allow_tf32: bool = False, device=None,
-                 dtype=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, allow_tf32: bool = False,
+                 recompute: bool = False, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.hidden_size = int(hidden_size)
         self.intermediate_size = int(intermediate_size)
         self.allow_tf32 = bool(allow_tf32)
+        self.recompute = bool(recompute)
         self.w1 = nn.Parameter(torch.empty(2, self.intermediate_size, self.hidden_size, **factory))
         self.w3 = nn.Parameter(torch.empty(2, self.intermediate_size, self.hidden_size, **factory))
         self.w2 = nn.Parameter(torch.empty(2, self.hidden_size, self.intermediate_size, **factory))
@@ -239,7 +251,7 @@ class DualExpertSwiGLU(nn.Module):
 
     @classmethod
     def from_modules(cls, vision_mlp: nn.Module, text_mlp: nn.Module, *,
-                     allow_tf32: bool = False) -> "DualExpertSwiGLU":
+                     allow_tf32: bool = False, recompute: bool = False) -> "DualExpertSwiGLU":
         """A DualExpertSwiGLU holding copies of two experts' weights, on their device and dtype.
 
         Each argument is a LlamaMLP-like module (bias-free `gate_proj`, `up_proj`, `down_proj` and a SiLU `act_fn`,
@@ -253,7 +265,8 @@ class DualExpertSwiGLU(nn.Module):
             if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
                 raise ValueError(f"{owner}: the experts differ: {tuple(a.shape)} {a.dtype} {a.device} vs "
                                  f"{tuple(b.shape)} {b.dtype} {b.device}")
-        mod = cls(wv[0].shape[1], wv[0].shape[0], allow_tf32=allow_tf32, device=wv[0].device, dtype=wv[0].dtype)
+        mod = cls(wv[0].shape[1], wv[0].shape[0], allow_tf32=allow_tf32, recompute=recompute, device=wv[0].device,
+                  dtype=wv[0].dtype)
         with torch.no_grad():
             for p, v, t in zip((mod.w1, mod.w3, mod.w2), wv, wt):
                 p[VISION].copy_(v)
@@ -266,8 +279,9 @@ class DualExpertSwiGLU(nn.Module):
         u1, w1 = self.w1.unbind(0)  # views at offsets 0 and I*H of one storage; unbind's backward stacks the grads
         u3, w3 = self.w3.unbind(0)
         u2, w2 = self.w2.unbind(0)
-        return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, self.allow_tf32, routing)
+        return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, self.allow_tf32, routing, self.recompute)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-                f"experts=[text, vision]" + (", allow_tf32=True" if self.allow_tf32 else ""))
+                f"experts=[text, vision]" + (", allow_tf32=True" if self.allow_tf32 else "")
+                + (", recompute=True" if self.recompute else ""))

@@ -107,7 +107,7 @@ class FusedDecoderLayer(nn.Module):
         self.self_attn = FusedAttention(config, **f)
         self.post_attention_layernorm = RMSNorm(config.hidden, config.rms_eps, **f)
         mlp = DualExpertSwiGLU if config.vision_expert else FusedSwiGLU
-        self.mlp = mlp(config.hidden, config.intermediate, **f)
+        self.mlp = mlp(config.hidden, config.intermediate, recompute=config.recompute, **f)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], routing: Optional[torch.Tensor],
                 freqs: torch.Tensor, cache: Optional[KVCache] = None, layer: int = 0) -> torch.Tensor:

@@ -29,6 +29,9 @@ class CogVLMConfig:
         final_norm: an RMSNorm after the last layer (CogVLM's `model.norm`). The main job's per-layer benchmark
             leaves it out, so that a one-layer model's forward is one layer's.
         dtype: the parameters' default dtype (overridable by the models' `dtype=` argument).
+        recompute: the fused model's MLPs keep no activations for the backward and compute gate and up again there
+            (`fused_ops.ffn`'s `recompute`: less memory, two more GEMMs per layer); default False: they keep the
+            gate and up pre-activations (2 * intermediate elements per token and layer).
     """
     hidden: int = 4096
     intermediate: int = 14336
@@ -42,6 +45,7 @@ class CogVLMConfig:
     vision_expert: bool = True
     final_norm: bool = True
     dtype: torch.dtype = torch.bfloat16
+    recompute: bool = False
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers"):
