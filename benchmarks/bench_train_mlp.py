@@ -169,6 +169,8 @@ def main(argv=None):
     ap.add_argument("--masks", default="span,rand50,vision10,vision90,all_text")
     ap.add_argument("--rep", type=int, default=20)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the per-kernel device times of one step (fused saved, grouped_mm) at the first M, span")
     opts = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_train_mlp: needs a CUDA GPU")
@@ -198,6 +200,13 @@ def main(argv=None):
             ref = ref_grads(xs[0], mask, w2e, gs[0])
             rows = measure(dual_impls(), args, args[0], ref, opts.rep)
             del ref
+            if opts.profile and M == ms[0] and kind == "span":
+                from kernel_times import kernel_table
+                for name, fn in dual_impls(recompute_ok=False).items():
+                    per_kernel, wall = kernel_table(torch, lambda: fn(*args[0]), 5)
+                    print(f"[train_mlp] kernels of one {name} step, M={M} span ({wall:.0f} us per step):")
+                    for k, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+                        print(f"    {us / 5:9.1f} us  {k[:110]}")
             entry = {"M": M, "mask": kind, "vision": int(mask.sum()), "impls": rows}
             results["dual"].append(entry)
             print(f"[train_mlp] dual M={M} {kind}: " + ", ".join(
