@@ -59,10 +59,10 @@ def make_mask(kind, M, gen, dev):
 def dual_impls(recompute_ok=True):
     L = torch.ops.fused
 
-    def fused(recompute):
+    def fused(recompute):  # DualExpertSwiGLU's call: the stacked weights as they are
         def fn(x, mask, w, g):
             w1, w3, w2 = w
-            out = L.ffn(x, w1[1], w3[1], w2[1], mask, w1[0], w3[0], w2[0], False, None, recompute)
+            out = L.ffn(x, w1, w3, w2, mask, None, None, None, False, None, recompute)
             return torch.autograd.grad(out, (x, w1, w3, w2), g)
         return fn
 
@@ -175,7 +175,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench_train_mlp: needs a CUDA GPU")
         return 2
-    import fused_ops  # noqa: F401
+    import fused_ops
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     dt = torch.bfloat16
@@ -202,11 +202,15 @@ def main(argv=None):
             del ref
             if opts.profile and M == ms[0] and kind == "span":
                 from kernel_times import kernel_table
+                # without programmatic dependent launch: with it, a kernel's profiled duration includes its wait
+                # for the previous one
+                fused_ops.set_programmatic_launch(False)
                 for name, fn in dual_impls(recompute_ok=False).items():
                     per_kernel, wall = kernel_table(torch, lambda: fn(*args[0]), 5)
-                    print(f"[train_mlp] kernels of one {name} step, M={M} span ({wall:.0f} us per step):")
+                    print(f"[train_mlp] kernels of one {name} step, M={M} span ({wall:.0f} us per step, PDL off):")
                     for k, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
                         print(f"    {us / 5:9.1f} us  {k[:110]}")
+                fused_ops.set_programmatic_launch(True)
             entry = {"M": M, "mask": kind, "vision": int(mask.sum()), "impls": rows}
             results["dual"].append(entry)
             print(f"[train_mlp] dual M={M} {kind}: " + ", ".join(

@@ -126,6 +126,13 @@ def test_autocast_casts_stacked_experts_as_one_tensor(device, kind):
     if kind == "linear_dual":
         pairs = [(args[3], args[2]), (args[5], args[4])]  # (text, vision): weights, biases
     else:
+        # DualExpertSwiGLU passes its stacked [2, ...] parameters as they are: each is cast as one tensor
+        assert all(t.dim() == 3 and t.dtype == torch.bfloat16 for t in args[1:4]) and all(a is None for a in args[5:8])
+        # the same parameters passed as per-expert views (vision w*, text u*): cast as one tensor and split again
+        rec = _OpArgs()
+        with torch.autocast(device_type(device), dtype=torch.bfloat16), rec:
+            torch.ops.fused.ffn(x, mod.w1[1], mod.w3[1], mod.w2[1], rest[0], mod.w1[0], mod.w3[0], mod.w2[0])
+        (func, args), = rec.calls
         pairs = [(args[5], args[1]), (args[6], args[2]), (args[7], args[3])]  # u1/w1, u3/w3, u2/w2
     for text, vision in pairs:
         assert text.dtype == vision.dtype == torch.bfloat16

@@ -213,6 +213,41 @@ def test_backward_op_with_gate_up(device, mask_kind, dtype):
     assert all(torch.equal(a, b) for a, b in zip(got[:1 + len(names)], again[:1 + len(names)]))
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("mask_kind", ["random", "all_true", "span"])
+def test_stacked_weights(device, mask_kind, dtype, recompute):
+    """Both experts stacked in each weight ([2, ...], text first, u's None): the output and every gradient bit for bit
+    those of the same weights given as per-expert views, the gradients stacked [2, ...] ([0] text); and the float64
+    reference."""
+    M, H, I = 300, 72, 40  # noqa: E741
+    x = strided_view((M,), H, dtype, device)
+    mask = make_mask(mask_kind, (M,), device)
+    w = make_weights(H, I, dtype, device)
+    st = [torch.stack([w[t], w[v]]).requires_grad_(True) for t, v in (("u1", "w1"), ("u3", "w3"), ("u2", "w2"))]
+    g = torch.randn(M, H, device=device).to(dtype)
+    lx = x.detach().requires_grad_(True)
+    out = OPS.ffn(lx, *st, mask, recompute=recompute)
+    got = torch.autograd.grad(out, [lx, *st], g)
+    assert all(t.shape == s.shape for t, s in zip(got[1:], st))
+    lx2 = x.detach().requires_grad_(True)
+    views = [t.detach().requires_grad_(True) for t in st]
+    out2 = OPS.ffn(lx2, views[0][1], views[1][1], views[2][1], mask, views[0][0], views[1][0], views[2][0],
+                   recompute=recompute)
+    want = torch.autograd.grad(out2, [lx2, *views], g)
+    assert torch.equal(out, out2)
+    for name, a, b in zip(("x", "w1", "w3", "w2"), got, want):
+        assert torch.equal(a, b), f"grad {name} differs from the per-expert call's"
+    sd = [t.detach() for t in st]
+    direct = OPS.ffn_backward(g, x, *sd, mask, gate_up=None if recompute else OPS.ffn_forward(x, *sd, mask)[1])
+    assert all(t is None for t in direct[4:]) and all(torch.equal(a, b) for a, b in zip(direct[:4], got))
+    ref_out, ref = reference_grads(lambda a, *ws: ffn_reference(a, *op_args(dict(zip(W_NAMES, ws)), mask)),
+                                   [x] + [w[n] for n in W_NAMES], g, [True] * 7)
+    check_out(out, ref_out, (M, H), dtype, device, TOL[dtype])
+    for j, n in enumerate(("w1", "w3", "w2")):
+        check_grad(got[1 + j], torch.stack([ref[4 + j], ref[1 + j]]), dtype, TOL[dtype], f"grad stacked {n}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dual", [False, True], ids=["single", "dual"])
 def test_activation_memory(gpu_device, dual):
@@ -789,6 +824,13 @@ def test_errors_structural(device):
         (r"(?i)grad", lambda: OPS.ffn_backward(g[:-1], x, w1, w3, w2, mask, u1, u3, u2)),
         ("mask", lambda: OPS.ffn_backward(g, x, w1, w3, w2, None, u1, u3, u2)),
         (some_u, lambda: OPS.ffn_backward(g, x, w1, w3, w2, mask, u1, None, u2)),
+        # stacked weights [2, ...]: need the mask, exclude the u's, two experts exactly, w2 stacked too
+        ("mask", lambda: OPS.ffn(x, torch.stack([u1, w1]), torch.stack([u3, w3]), torch.stack([u2, w2]))),
+        (r"\bu1\b|\bu[123]\b", lambda: OPS.ffn(x, torch.stack([u1, w1]), torch.stack([u3, w3]), torch.stack([u2, w2]),
+                                              mask, u1, u3, u2)),
+        (r"w1|\[2, I, H\]", lambda: OPS.ffn(x, torch.stack([u1, w1, w1]), torch.stack([u3, w3, w3]),
+                                           torch.stack([u2, w2, w2]), mask)),
+        (r"w2", lambda: OPS.ffn(x, torch.stack([u1, w1]), torch.stack([u3, w3]), w2, mask)),
         ("gate_up", lambda: OPS.ffn_backward(g, x, w1, w3, w2, gate_up=torch.zeros_like(x))),  # [M, H], not [M, 2I]
         ("gate_up", lambda: OPS.ffn_backward(g, x, w1, w3, w2, gate_up=torch.zeros(M, 2 * I, device=device,
                                                                                     dtype=torch.float16))),
@@ -871,10 +913,12 @@ def _opcheck_samples(op_name):
             ((mk(2, 3, H, rg=True), *ws(True), mask.reshape(2, 3), *ws(True)), {}),
             ((mk(M, H), *ws(True)), dict(mask=mask, u1=mk(I, H), u3=mk(I, H), u2=mk(H, I, rg=True))),
             ((mk(M, H, rg=True), *ws(True)), dict(recompute=True)),
+            ((mk(M, H, rg=True), mk(2, I, H, rg=True), mk(2, I, H, rg=True), mk(2, H, I, rg=True), mask), {}),
         ]
     if op_name == "ffn_forward":
         return [((mk(M, H), *ws()), {}), ((mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), {})]
-    return [((mk(M, H), mk(M, H), *ws()), dict(gate_up=mk(M, 2 * I))),
+    return [((mk(M, H), mk(M, H), mk(2, I, H), mk(2, I, H), mk(2, H, I), mask), dict(gate_up=mk(M, 2 * I))),
+            ((mk(M, H), mk(M, H), *ws()), dict(gate_up=mk(M, 2 * I))),
             ((mk(2, 3, H), mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), dict(gate_up=mk(2, 3, 2 * I))),
             ((mk(M, H), mk(M, H), *ws()), {}),
             ((mk(2, 3, H), mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), dict(allow_tf32=True)),

@@ -8,7 +8,7 @@ namespace {
 constexpr const char* kOp = "ffn";
 
 FfnGeometry concrete(const FfnSymGeometry& g) {
-  return {g.M.expect_int(), g.H.expect_int(), g.I.expect_int(), g.dual};
+  return {g.M.expect_int(), g.H.expect_int(), g.I.expect_int(), g.dual, g.stacked};
 }
 }  // namespace
 
@@ -19,22 +19,37 @@ FfnSymGeometry check_ffn_inputs_symint(const at::Tensor& x, const at::Tensor& w1
   TORCH_CHECK(x.dim() >= 1, kOp, ": x must have at least one dimension [..., H], got a scalar");
   check_routed_dtype(x, kOp, "x");
   const c10::SymInt H = x.sym_size(-1);
-  TORCH_CHECK(w1.dim() == 2, kOp, ": w1 (gate) must have shape [I, H] with H = x.shape[-1] = ", H, ", got ",
-              w1.sym_sizes());
-  TORCH_SYM_CHECK(w1.sym_size(1).sym_eq(H), kOp, ": w1 (gate) must have shape [I, H] with H = x.shape[-1] = ", H,
-                  ", got ", w1.sym_sizes());
-  FfnSymGeometry g{leading_rows(x), H, w1.sym_size(0), false};
+  // [I, H], or stacked [2, I, H] (both experts, text first)
+  const bool stacked = w1.dim() == 3;
+  TORCH_CHECK(w1.dim() == 2 || stacked, kOp, ": w1 (gate) must have shape [I, H] (or [2, I, H]: both experts "
+              "stacked) with H = x.shape[-1] = ", H, ", got ", w1.sym_sizes());
+  TORCH_SYM_CHECK(w1.sym_size(-1).sym_eq(H), kOp, ": w1 (gate) must have shape [I, H] (or [2, I, H]) with H = "
+                  "x.shape[-1] = ", H, ", got ", w1.sym_sizes());
+  FfnSymGeometry g{leading_rows(x), H, w1.sym_size(-2), false};
+  g.stacked = stacked;
   check_like(w1, "w1", x, "x", kOp);
   check_like(w3, "w3", x, "x", kOp);
   check_like(w2, "w2", x, "x", kOp);
-  TORCH_SYM_CHECK(sym_equal(w3.sym_sizes(), w1.sym_sizes()), kOp, ": w3 (up) must have the shape of w1 [I, H] = ",
+  TORCH_SYM_CHECK(sym_equal(w3.sym_sizes(), w1.sym_sizes()), kOp, ": w3 (up) must have the shape of w1 ",
                   w1.sym_sizes(), ", got ", w3.sym_sizes());
-  TORCH_SYM_CHECK(sym_equal(w2.sym_sizes(), {g.H, g.I}), kOp, ": w2 (down) must have shape [H, I] = [", g.H, ", ",
-                  g.I, "], got ", w2.sym_sizes());
+  if (stacked) {
+    TORCH_SYM_CHECK(w1.sym_size(0).sym_eq(2), kOp, ": stacked w1 (gate) must have shape [2, I, H] (text, vision), got ",
+                    w1.sym_sizes());
+    TORCH_SYM_CHECK(sym_equal(w2.sym_sizes(), {2, g.H, g.I}), kOp, ": stacked w2 (down) must have shape [2, H, I] = "
+                    "[2, ", g.H, ", ", g.I, "], got ", w2.sym_sizes());
+  } else {
+    TORCH_SYM_CHECK(sym_equal(w2.sym_sizes(), {g.H, g.I}), kOp, ": w2 (down) must have shape [H, I] = [", g.H, ", ",
+                    g.I, "], got ", w2.sym_sizes());
+  }
 
   const bool has_u1 = present(u1), has_u3 = present(u3), has_u2 = present(u2);
-  g.dual = has_u1 || has_u3 || has_u2;
-  if (g.dual) {
+  g.dual = has_u1 || has_u3 || has_u2 || stacked;
+  if (stacked) {
+    TORCH_CHECK(!has_u1 && !has_u3 && !has_u2, kOp, ": stacked w1, w3, w2 ([2, ...]) hold both experts: u1, u3 and "
+                "u2 must be None");
+    TORCH_CHECK(present(mask), kOp, ": stacked w1, w3, w2 ([2, ...]: text, vision) need mask (true = vision tokens)");
+    check_mask(*mask, x, kOp);
+  } else if (g.dual) {
     TORCH_CHECK(has_u1 && has_u3 && has_u2, kOp, ": the dual-expert ffn needs all of u1, u3 and u2 (the text expert); ",
                 !has_u1 ? "u1" : (!has_u3 ? "u3" : "u2"), " is missing");
     TORCH_CHECK(present(mask), kOp, ": the dual-expert ffn (u1, u3, u2 given) needs mask (true = vision tokens, "

@@ -18,13 +18,17 @@ struct Expert {
   at::Tensor w1, w3, w2;
 };
 
-// Expert 1 (vision, w*) then expert 0 (text, u*) for the dual expert; just (w*) for the single expert.
+// Expert 1 (vision, w*, or w*[1] stacked) then expert 0 (text, u*, or w*[0]) for the dual expert; just (w*) for the
+// single expert.
 std::vector<Expert> experts(const FfnGeometry& g, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
                             const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
                             const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2,
                             at::ScalarType ct) {
   if (!g.dual) return {{at::Tensor(), w1.to(ct), w3.to(ct), w2.to(ct)}};
   const at::Tensor m = mask->reshape({g.M});
+  if (g.stacked)
+    return {{m.nonzero().flatten(), w1[1].to(ct), w3[1].to(ct), w2[1].to(ct)},
+            {m.logical_not().nonzero().flatten(), w1[0].to(ct), w3[0].to(ct), w2[0].to(ct)}};
   return {{m.nonzero().flatten(), w1.to(ct), w3.to(ct), w2.to(ct)},
           {m.logical_not().nonzero().flatten(), u1->to(ct), u3->to(ct), u2->to(ct)}};
 }
@@ -81,7 +85,7 @@ FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED
   const std::vector<Expert> es = experts(g, w1, w3, w2, mask, u1, u3, u2, ct);
   for (size_t i = 0; i < es.size(); ++i) {
     const Expert& e = es[i];
-    const bool* want = &output_mask[1 + 3 * i];  // this expert's (w1, w3, w2)
+    const bool* want = &output_mask[g.stacked ? 1 : 1 + 3 * i];  // this expert's (w1, w3, w2)
     if (count(e, g.M) == 0) {
       if (want[0]) gw[3 * i] = at::zeros({g.I, g.H}, copt);
       if (want[1]) gw[3 * i + 1] = at::zeros({g.I, g.H}, copt);
@@ -107,6 +111,11 @@ FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED
     if (want[2]) gw[3 * i + 2] = dye.t().matmul(h);
   }
   const auto cast = [dt](const at::Tensor& t) { return t.defined() ? t.to(dt) : t; };
+  if (g.stacked) {  // [text, vision] of each projection, in the stacked weights' layout
+    const auto both = [&](int j) { return gw[j].defined() ? at::stack({gw[3 + j], gw[j]}).to(dt) : at::Tensor(); };
+    return {want_gx ? gx.to(dt).reshape(x.sizes()) : gx, both(0), both(1), both(2), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
   return {want_gx ? gx.to(dt).reshape(x.sizes()) : gx, cast(gw[0]), cast(gw[1]), cast(gw[2]), cast(gw[3]),
           cast(gw[4]), cast(gw[5])};
 }

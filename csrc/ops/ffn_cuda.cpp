@@ -71,6 +71,9 @@ Projections projections(const FfnGeometry& geo, FUSED_FFN_ARGS) {
   (void)mask;
   (void)allow_tf32;
   if (!geo.dual) return {routed::Experts(w1, w1, true), routed::Experts(w3, w3, true), routed::Experts(w2, w2, true)};
+  if (geo.stacked)  // views of the [2, R, C] tensors: the kernels read them in place (Experts::stacked)
+    return {routed::Experts(w1[0], w1[1], false), routed::Experts(w3[0], w3[1], false),
+            routed::Experts(w2[0], w2[1], false)};
   return {routed::Experts(*u1, w1, false), routed::Experts(*u3, w3, false), routed::Experts(*u2, w2, false)};
 }
 
@@ -165,14 +168,25 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
   // (output_mask: vision = w* at 1..3, text = u* at 4..6; the single expert's w* at 1..3). Each gradient is
   // allocated just before the GEMM that writes it, and each intermediate freed after its last reader: the peak of
   // the backward is then about 3 [M_pad, I] buffers and dw2, or 2 of them and every weight gradient, not all at once.
-  at::Tensor dw1[2], dw3[2], dw2[2], gx;
+  // Stacked weights: one [2, ...] gradient per projection (output_mask 1..3), whose halves the kernels write.
+  at::Tensor dw1[2], dw3[2], dw2[2], gx, stacked[3];
   const int64_t E = geo.dual ? 2 : 1;
-  const auto wanted = [&](int64_t e, int j) { return output_mask[(geo.dual && e == 0 ? 4 : 1) + j]; };
+  const auto wanted = [&](int64_t e, int j) {
+    return output_mask[(geo.dual && !geo.stacked && e == 0 ? 4 : 1) + j];
+  };
   const auto allocate = [&](at::Tensor (&t)[2], int j, at::IntArrayRef size) {
+    if (geo.stacked) {
+      if (!wanted(0, j)) return;
+      stacked[j] = at::empty({2, size[0], size[1]}, opt);
+      t[0] = stacked[j][0];
+      t[1] = stacked[j][1];
+      return;
+    }
     for (int64_t e = 0; e < E; ++e)
       if (wanted(e, j)) t[e] = at::empty(size, opt);
   };
   auto result = [&]() -> FfnGrads {
+    if (geo.stacked) return {gx, stacked[0], stacked[1], stacked[2], at::Tensor(), at::Tensor(), at::Tensor()};
     if (!geo.dual) return {gx, dw1[0], dw3[0], dw2[0], at::Tensor(), at::Tensor(), at::Tensor()};
     return {gx, dw1[1], dw3[1], dw2[1], dw1[0], dw3[0], dw2[0]};  // (w1, w3, w2) = vision, (u1, u3, u2) = text
   };

@@ -29,10 +29,11 @@ fused::FfnGrads bwd(const Tensor& grad_out, const Tensor& x, FUSED_FFN_ARGS, fus
   if (fused::present(gate_up)) fused::check_gate_up_symint(*gate_up, x, g.I, "ffn_backward");
   const auto opt = x.options();
   const auto out = [&](int i, c10::SymIntArrayRef size) {
-    return output_mask[i] && (i < 4 || g.dual) ? at::empty_symint(size, opt) : Tensor();
+    return output_mask[i] && (i < 4 || (g.dual && !g.stacked)) ? at::empty_symint(size, opt) : Tensor();
   };
-  return {out(0, x.sym_sizes()), out(1, {g.I, g.H}), out(2, {g.I, g.H}), out(3, {g.H, g.I}),
-          out(4, {g.I, g.H}),    out(5, {g.I, g.H}), out(6, {g.H, g.I})};
+  // the weights' own shapes: [I, H] / [H, I], or stacked [2, ...]
+  return {out(0, x.sym_sizes()), out(1, w1.sym_sizes()), out(2, w3.sym_sizes()), out(3, w2.sym_sizes()),
+          out(4, w1.sym_sizes()), out(5, w3.sym_sizes()), out(6, w2.sym_sizes())};
 }
 }  // namespace
 

@@ -41,7 +41,9 @@ def ffn(
 
     Single expert: leave `mask`, `u1`, `u3`, `u2` all None. Dual expert: give all four; token `i` goes through
     (w1, w3, w2) where `mask[i]` is true (vision) and through (u1, u3, u2) elsewhere (text). Anything in between
-    (a mask without u's, u's without a mask, some u's only) raises.
+    (a mask without u's, u's without a mask, some u's only) raises. Stacked dual expert: `mask` and both experts in
+    each weight, w1 / w3 `[2, I, H]` and w2 `[2, H, I]`, `[0]` text and `[1]` vision (DualExpertSwiGLU's
+    parameters), u's None; their gradients come back stacked the same way.
 
     Differentiable w.r.t. `x` and every weight (the op's C++ autograd calls `torch.ops.fused.ffn_backward`). What
     the forward keeps for the backward (`recompute`): by default the gate and up pre-activations (`2 * I` elements
@@ -276,10 +278,10 @@ class DualExpertSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, routing: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: `[..., hidden_size]`; mask: bool `[...]` (True = vision token); routing: `fused_ops.route(mask)` or None
         (see `ffn`). Returns `[..., hidden_size]`."""
-        u1, w1 = self.w1.unbind(0)  # views at offsets 0 and I*H of one storage; unbind's backward stacks the grads
-        u3, w3 = self.w3.unbind(0)
-        u2, w2 = self.w2.unbind(0)
-        return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, self.allow_tf32, routing, self.recompute)
+        # The stacked parameters as they are: the op reads both experts in place and writes their gradients into one
+        # [2, ...] tensor each (views w[1], w[0] would cost autograd a stack of the per-expert gradients per step).
+        return torch.ops.fused.ffn(x, self.w1, self.w3, self.w2, mask, None, None, None, self.allow_tf32, routing,
+                                   self.recompute)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
