@@ -144,7 +144,7 @@ def _rope_variants() -> List[Variant]:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Routed GEMMs (kernels/routing.py, kernels/gemm.py; argument lists and grids: kernels/GEMM.md). Launched by
+# Routed GEMMs (kernels/routing.py, kernels/gemm.py; what they do and their grids: kernels/GEMM.md). Launched by
 # csrc/ops/routed_gemm.cpp, which looks the config up in the generated bucket table (csrc/runtime/kernel_configs.h)
 # and computes the grid from the same entry whose "cfg=..." it puts in the key, so grid and kernel cannot disagree.
 # Block configs per architecture, family and m bucket: aot/configs/sm<arch>.json (aot/config_table.py). The TMA

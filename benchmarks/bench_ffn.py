@@ -22,10 +22,11 @@ DualExpertSwiGLU stores them):
   memory  peak extra memory of one forward: torch.cuda.max_memory_allocated() during the call minus what was
           allocated before, minus the output (target <= M*I elements of x's dtype), dual rand50 (routing the mask,
           and given its routing) and single.
-  bwd     ffn_backward (grad x and every weight grad; it recomputes the forward GEMMs, the schema saves nothing) vs
-          the cuBLAS time of the same GEMMs on all M rows, forward recompute included: x·[W1;W3]ᵀ, dY·W2, dYᵀ·h,
-          dG·[W1;W3], dGᵀ·x = 16·M·H·I FLOPs (target <= 1.15x), dual rand50 and single; dual rand50 with the text
-          expert frozen (output_mask: grad x and the vision weights only) as information.
+  bwd     ffn_backward (grad x and every weight grad) vs the cuBLAS time of the same GEMMs on all M rows. With gate
+          and up saved by ffn_forward (what ffn's autograd does by default): dY·W2, dYᵀ·h, dG·[W1;W3], dGᵀ·x =
+          12·M·H·I FLOPs (target <= 1.05x); recomputing them (recompute=True): also x·[W1;W3]ᵀ, 16·M·H·I FLOPs
+          (target <= 1.15x); dual rand50 and single; dual rand50 with the text expert frozen (output_mask: grad x and
+          the vision weights only) as information.
   decode  M = 1, 2, 4, 8, 16: bandwidth of reading the weights (3·I·H·2 bytes per expert used) vs the device copy
           bandwidth (read + write; copies of one and of two experts' bytes, the higher of the two is the ceiling;
           target >= 80%), single and dual (random mask with both experts present for M >= 2).
@@ -69,6 +70,7 @@ from routed_harness import (Interrupted, Results, cleanup, finish, log, measure,
 NAME = "bench_ffn"
 TARGET_DUAL_VS_CUBLAS = 1.05
 TARGET_SINGLE_VS_COMPILE = 0.95
+TARGET_BWD_SAVED = 1.05  # ffn_backward with gate and up saved / its six GEMMs in cuBLAS (issue #32)
 TARGET_BWD_VS_CUBLAS = 1.15
 TARGET_DECODE_BW = 0.80
 M_TOK, HID, INTER = 4096, 4096, 11008
@@ -369,9 +371,36 @@ def case_bwd(res: Results, opts, ctx):
     mask = ctx.get("mask50")
     if mask is None:
         mask = make_mask("rand50", M, torch.Generator().manual_seed(0))
+    # The saved-activation backward (the default of ffn's autograd): gate and up from the forward, so the GEMMs it
+    # needs are the six of 12·M·H·I FLOPs (target #32: <= 1.05x them in cuBLAS).
+    d13 = torch.randn(M, 2 * I, device=DEV, dtype=dt)  # stands for [d_gate | d_up] (and its first half for h)
+
+    def cublas_saved(g, x):
+        return torch.mm(g, w2), torch.mm(g.t(), d13[:, :I]), torch.mm(d13, w13), torch.mm(d13.t(), x)
+
+    r_cub_saved = measure(res, opts, "bwd saved", IMPL_CUBLAS, cublas_saved, sets, 12.0 * M * H * I,
+                          note="4 GEMMs, 12·M·H·I FLOPs, one expert, no routing", best_of=2)
+    for case, m in (("bwd saved dual rand50", mask), ("bwd saved single", None)):
+        args = ex.dual_args(m) if m is not None else ex.v
+        gate_up = {x.data_ptr(): torch.ops.fused.ffn_forward(x, *args)[1] for _, x in sets}
+        gu_chk = torch.ops.fused.ffn_forward(x_chk, *args)[1]
+        fused = lambda g, x, args=args, gu=gate_up: torch.ops.fused.ffn_backward(  # noqa: E731
+            g, x, *args, gate_up=gu.get(x.data_ptr(), gu_chk))
+
+        def chk(fused=fused, m=m):
+            got = poisoned_call(fused, g_chk, x_chk, out_bytes=(M * H + 3 * H * I) * 2)
+            return rel_errs(got, ffn_bwd_ref(g_chk, x_chk, ex, m))
+
+        f = measure(res, opts, case, IMPL_FUSED, fused, sets, 12.0 * M * H * I, check=chk,
+                    note="grad x + " + ("6" if m is not None else "3") + " weight grads, gate and up saved")
+        paired = paired_ratio(res, opts, case, fused, cublas_saved, sets)
+        res.target(f"{case}: ffn_backward (saved gate/up) time / cuBLAS GEMM time", paired[0], TARGET_BWD_SAVED,
+                   True, "x", rows=[f, r_cub_saved], why=paired_note(ratio(f, r_cub_saved), paired))
+        f["note"] += f"; {paired[0]:.3f}x cuBLAS GEMM time (paired)"
+        del gate_up
     for case, m in (("bwd dual rand50", mask), ("bwd single", None)):
         args = ex.dual_args(m) if m is not None else ex.v
-        fused = lambda g, x, args=args: torch.ops.fused.ffn_backward(g, x, *args)  # noqa: E731
+        fused = lambda g, x, args=args: torch.ops.fused.ffn_backward(g, x, *args)  # noqa: E731 (recompute)
 
         def chk(fused=fused, m=m):
             got = poisoned_call(fused, g_chk, x_chk, out_bytes=(M * H + 3 * H * I) * 2)

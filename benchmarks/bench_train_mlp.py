@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -210,7 +211,39 @@ def main(argv=None):
                     print(f"[train_mlp] kernels of one {name} step, M={M} span ({wall:.0f} us per step, PDL off):")
                     for k, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
                         print(f"    {us / 5:9.1f} us  {k[:110]}")
+                # the largest idle gaps between consecutive kernels of two fused steps, and what surrounds them
+                from torch.profiler import ProfilerActivity, profile
+                fn = dual_impls(recompute_ok=False)["fused saved"]
+                fn(*args[0])
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                    for _ in range(2):
+                        fn(*args[0])
+                    torch.cuda.synchronize()
+                ks = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                            key=lambda ev: ev.time_range.start)
+                gaps = sorted(((b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(ks, ks[1:])),
+                              reverse=True)
+                print(f"[train_mlp] {len(ks)} kernels in two fused steps; largest gaps:")
+                for gap, a, b in gaps[:10]:
+                    print(f"    {gap:8.1f} us  after {a[:60]}  before {b[:60]}")
                 fused_ops.set_programmatic_launch(True)
+                # host time to enqueue one step with the GPU kept busy (a call that blocks on the device shows as a
+                # host time near the step's device time), and the allocator's device allocations per step
+                for name, fn in dual_impls(recompute_ok=False).items():
+                    fn(*args[0])
+                    torch.cuda.synchronize()
+                    stats0 = torch.cuda.memory_stats()
+                    torch.cuda._sleep(int(2e8))
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        fn(*args[0])
+                    host_ms = (time.perf_counter() - t0) * 1e3 / 3
+                    torch.cuda.synchronize()
+                    stats1 = torch.cuda.memory_stats()
+                    delta = {k: stats1.get(k, 0) - stats0.get(k, 0)
+                             for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
+                    print(f"[train_mlp] {name}: host {host_ms:.3f} ms per step enqueued; over 3 steps {delta}")
             entry = {"M": M, "mask": kind, "vision": int(mask.sum()), "impls": rows}
             results["dual"].append(entry)
             print(f"[train_mlp] dual M={M} {kind}: " + ", ".join(

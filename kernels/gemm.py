@@ -1,6 +1,7 @@
 """Expert-routed GEMMs for the modality-routed linear and the dual-expert SwiGLU MLP.
 
-Exact argument lists / grids for the C++ launcher: kernels/GEMM.md.  Routing: kernels/routing.py.
+Argument lists: each kernel's signature (the AOT manifest reads them); what each kernel does, its layouts and grid:
+kernels/GEMM.md.  Routing: kernels/routing.py.
 
 Conventions
   * Two experts: e = 0 (mask false, "text"), e = 1 (mask true, "vision").

@@ -67,8 +67,18 @@ void check_gate_up(const at::Tensor& gate_up, const at::Tensor& x, int64_t I, co
 // stacked expert (whose grad_w* hold both experts).
 using FfnGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // Which of FfnGrads to compute, in its order: the others are returned undefined, and their work is skipped (a frozen
-// expert's weights, an input that needs no gradient). The last three are ignored for the single expert.
+// expert's weights, an input that needs no gradient). The last three are ignored for the single and stacked expert.
 using FfnOutputMask = std::array<bool, 7>;
+// The slots of FfnGrads and FfnOutputMask (the op's schema order): every backend and the autograd name them here.
+enum FfnGradSlot : int { kGradX = 0, kGradW1 = 1, kGradW3 = 2, kGradW2 = 3, kGradU1 = 4, kGradU3 = 5, kGradU2 = 6 };
+// Projections in slot order within an expert: gate (w1 / u1), up (w3 / u3), down (w2 / u2).
+enum FfnProj : int { kGate = 0, kUp = 1, kDown = 2 };
+// The slot of projection `proj` of expert `expert` (0 = text, 1 = vision; the single expert is 0): the vision
+// expert's weights are w*, the text expert's u*, except where one tensor holds both (single: w*; stacked: w*[e]).
+template <typename G>
+int ffn_grad_slot(const G& geo, int expert, int proj) {
+  return (geo.dual && !geo.stacked && expert == 0 ? kGradU1 : kGradW1) + proj;
+}
 // The ops' signatures (csrc/torch_bindings.cpp), for calls through the dispatcher: .typed<FfnOp>(). ffn's
 // `recompute` is read only by its autograd (csrc/ops/ffn_autograd.cpp): the backends compute the same output.
 using FfnOp = at::Tensor(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing,

@@ -45,13 +45,15 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
     static auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn_backward", "").typed<fused::FfnBackwardOp>();
     const auto s = ctx->get_saved_variables();
-    const bool dual = s[5].defined();
     // Only what autograd asks for is computed: no grad_x for an input that needs none, no weight gradient of a
-    // frozen weight (CogVLM trains the vision expert with the language model's weights frozen). needs_input_grad
-    // counts the tensor inputs given: x, w1, w3, w2, then mask, u1, u3, u2 for the dual expert.
-    const auto need = [&](size_t i) { return ctx->needs_input_grad(i); };
-    const fused::FfnOutputMask want = {need(0), need(1), need(2), need(3), dual && need(5), dual && need(6),
-                                       dual && need(7)};
+    // frozen weight (CogVLM trains the vision expert with the language model's weights frozen). The op's inputs are
+    // x, w1, w3, w2, mask, u1, u3, u2: a gradient slot's input is the slot itself, the u's one further (after mask);
+    // a u that was not given (single or stacked expert) needs none.
+    fused::FfnOutputMask want{};
+    for (int slot = fused::kGradX; slot <= fused::kGradU2; ++slot) {
+      const size_t input = slot < fused::kGradU1 ? slot : slot + 1;
+      want[slot] = s[input].defined() && ctx->needs_input_grad(input);
+    }
     auto [gx, gw1, gw3, gw2, gu1, gu3, gu2] = op.call(grads[0], s[0], s[1], s[2], s[3], opt(s[4]), opt(s[5]),
                                                       opt(s[6]), opt(s[7]), ctx->saved_data["allow_tf32"].toBool(),
                                                       want, opt(s[8]), opt(s[9]));

@@ -2,6 +2,7 @@
 // expert (rows selected by the mask), math in fp32 (fp64 for fp64 inputs) without rounding intermediates, results
 // in x's dtype. allow_tf32 does not apply on the CPU. Not tuned for speed.
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <vector>
 
@@ -79,20 +80,22 @@ FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED
   const at::Tensor xr = x.reshape({g.M, g.H}).to(ct);
   const at::Tensor dy = grad_out.reshape({g.M, g.H}).to(ct);
   const at::Tensor gu = present(gate_up) ? gate_up->reshape({g.M, 2 * g.I}).to(ct) : at::Tensor();
-  const bool want_gx = output_mask[0];
+  const bool want_gx = output_mask[kGradX];
   at::Tensor gx = want_gx ? at::zeros({g.M, g.H}, copt) : at::Tensor();
-  at::Tensor gw[6];  // (grad_w1, grad_w3, grad_w2) per expert, in experts()' order (as the op returns them)
+  at::Tensor dw[2][3];  // [expert (0 text, 1 vision)][FfnProj]
   const std::vector<Expert> es = experts(g, w1, w3, w2, mask, u1, u3, u2, ct);
   for (size_t i = 0; i < es.size(); ++i) {
     const Expert& e = es[i];
-    const bool* want = &output_mask[g.stacked ? 1 : 1 + 3 * i];  // this expert's (w1, w3, w2)
+    const int expert = g.dual && i == 0 ? 1 : 0;  // experts() lists the vision expert first
+    at::Tensor* grads = dw[expert];
+    const auto want = [&](int proj) { return output_mask[ffn_grad_slot(g, expert, proj)]; };
     if (count(e, g.M) == 0) {
-      if (want[0]) gw[3 * i] = at::zeros({g.I, g.H}, copt);
-      if (want[1]) gw[3 * i + 1] = at::zeros({g.I, g.H}, copt);
-      if (want[2]) gw[3 * i + 2] = at::zeros({g.H, g.I}, copt);
+      if (want(kGate)) grads[kGate] = at::zeros({g.I, g.H}, copt);
+      if (want(kUp)) grads[kUp] = at::zeros({g.I, g.H}, copt);
+      if (want(kDown)) grads[kDown] = at::zeros({g.H, g.I}, copt);
       continue;
     }
-    if (!want_gx && !want[0] && !want[1] && !want[2]) continue;
+    if (!want_gx && !want(kGate) && !want(kUp) && !want(kDown)) continue;
     const at::Tensor xe = rows_of(xr, e.rows), dye = rows_of(dy, e.rows);
     const at::Tensor gue = gu.defined() ? rows_of(gu, e.rows) : at::Tensor();
     const at::Tensor gate = gue.defined() ? gue.narrow(1, 0, g.I) : xe.matmul(e.w1.t());
@@ -103,21 +106,27 @@ FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED
     const at::Tensor dh = dye.matmul(e.w2);                  // [n, I]
     const at::Tensor dup = dh * act;
     const at::Tensor dgate = dh * up * (s + act * (1 - s));  // silu'(g) = s (1 + g (1 - s))
-    if (want_gx) {
-      put_rows(gx, e.rows, dgate.matmul(e.w1) + dup.matmul(e.w3));
+    if (want_gx) put_rows(gx, e.rows, dgate.matmul(e.w1) + dup.matmul(e.w3));
+    if (want(kGate)) grads[kGate] = dgate.t().matmul(xe);
+    if (want(kUp)) grads[kUp] = dup.t().matmul(xe);
+    if (want(kDown)) grads[kDown] = dye.t().matmul(h);
+  }
+  // Into the op's slots, in x's dtype: one per projection and expert, or both experts stacked [text, vision].
+  std::array<at::Tensor, 7> out;
+  if (want_gx) out[kGradX] = gx.to(dt).reshape(x.sizes());
+  for (int expert = 0; expert < (g.dual ? 2 : 1); ++expert)
+    for (int proj : {kGate, kUp, kDown}) {
+      const at::Tensor& t = dw[expert][proj];
+      if (!t.defined()) continue;
+      out[ffn_grad_slot(g, expert, proj)] = g.stacked ? at::stack({dw[0][proj], dw[1][proj]}).to(dt) : t.to(dt);
     }
-    if (want[0]) gw[3 * i] = dgate.t().matmul(xe);
-    if (want[1]) gw[3 * i + 1] = dup.t().matmul(xe);
-    if (want[2]) gw[3 * i + 2] = dye.t().matmul(h);
-  }
-  const auto cast = [dt](const at::Tensor& t) { return t.defined() ? t.to(dt) : t; };
-  if (g.stacked) {  // [text, vision] of each projection, in the stacked weights' layout
-    const auto both = [&](int j) { return gw[j].defined() ? at::stack({gw[3 + j], gw[j]}).to(dt) : at::Tensor(); };
-    return {want_gx ? gx.to(dt).reshape(x.sizes()) : gx, both(0), both(1), both(2), at::Tensor(), at::Tensor(),
-            at::Tensor()};
-  }
-  return {want_gx ? gx.to(dt).reshape(x.sizes()) : gx, cast(gw[0]), cast(gw[1]), cast(gw[2]), cast(gw[3]),
-          cast(gw[4]), cast(gw[5])};
+  return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
 }
 
 }  // namespace fused
+
+TORCH_LIBRARY_IMPL(fused, CPU, m) {
+  m.impl("ffn", fused::ffn_cpu);
+  m.impl("ffn_forward", fused::ffn_forward_cpu);
+  m.impl("ffn_backward", fused::ffn_backward_cpu);
+}

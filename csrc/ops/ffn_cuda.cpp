@@ -40,6 +40,7 @@
 
 #include <limits>
 #include <optional>
+#include <torch/library.h>
 
 #include "ops/ffn.h"
 #include "ops/routed_gemm.h"
@@ -171,9 +172,7 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
   // Stacked weights: one [2, ...] gradient per projection (output_mask 1..3), whose halves the kernels write.
   at::Tensor dw1[2], dw3[2], dw2[2], gx, stacked[3];
   const int64_t E = geo.dual ? 2 : 1;
-  const auto wanted = [&](int64_t e, int j) {
-    return output_mask[(geo.dual && !geo.stacked && e == 0 ? 4 : 1) + j];
-  };
+  const auto wanted = [&](int64_t e, int j) { return output_mask[ffn_grad_slot(geo, static_cast<int>(e), j)]; };
   const auto allocate = [&](at::Tensor (&t)[2], int j, at::IntArrayRef size) {
     if (geo.stacked) {
       if (!wanted(0, j)) return;
@@ -185,19 +184,23 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
     for (int64_t e = 0; e < E; ++e)
       if (wanted(e, j)) t[e] = at::empty(size, opt);
   };
-  auto result = [&]() -> FfnGrads {
-    if (geo.stacked) return {gx, stacked[0], stacked[1], stacked[2], at::Tensor(), at::Tensor(), at::Tensor()};
-    if (!geo.dual) return {gx, dw1[0], dw3[0], dw2[0], at::Tensor(), at::Tensor(), at::Tensor()};
-    return {gx, dw1[1], dw3[1], dw2[1], dw1[0], dw3[0], dw2[0]};  // (w1, w3, w2) = vision, (u1, u3, u2) = text
+  auto result = [&]() -> FfnGrads {  // into the op's slots
+    std::array<at::Tensor, 7> out;
+    out[kGradX] = gx;
+    const at::Tensor* per_proj[3] = {dw1, dw3, dw2};  // FfnProj order
+    for (int64_t e = 0; e < E; ++e)
+      for (int proj : {kGate, kUp, kDown})
+        out[ffn_grad_slot(geo, static_cast<int>(e), proj)] = geo.stacked ? stacked[proj] : per_proj[proj][e];
+    return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
   };
   const auto any = [&](int j) { return wanted(0, j) || (E == 2 && wanted(1, j)); };
-  const bool want_dw1 = any(0), want_dw3 = any(1), want_dw2 = any(2);
-  if (!output_mask[0] && !want_dw1 && !want_dw3 && !want_dw2) return result();
+  const bool want_dw1 = any(kGate), want_dw3 = any(kUp), want_dw2 = any(kDown);
+  if (!output_mask[kGradX] && !want_dw1 && !want_dw3 && !want_dw2) return result();
   if (geo.M == 0 || geo.H == 0 || geo.I == 0) {  // every gradient is zero (or empty)
-    if (output_mask[0]) gx = at::zeros(x.sizes(), opt);
-    allocate(dw1, 0, {geo.I, geo.H});
-    allocate(dw3, 1, {geo.I, geo.H});
-    allocate(dw2, 2, {geo.H, geo.I});
+    if (output_mask[kGradX]) gx = at::zeros(x.sizes(), opt);
+    allocate(dw1, kGate, {geo.I, geo.H});
+    allocate(dw3, kUp, {geo.I, geo.H});
+    allocate(dw2, kDown, {geo.H, geo.I});
     for (at::Tensor* t : {&dw1[0], &dw1[1], &dw3[0], &dw3[1], &dw2[0], &dw2[1]})
       if (t->defined()) t->zero_();
     return result();
@@ -246,12 +249,12 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
   // Weight gradients: only the experts' asked for launch programs (routed::grad_weight skips an undefined output).
   // Order: dw2 (the last reader of h and dy), dx, dw1 (the last of dgate), dw3 (the last of dup and x).
   if (want_dw2) {
-    allocate(dw2, 2, {geo.H, geo.I});
+    allocate(dw2, kDown, {geo.H, geo.I});
     routed::grad_weight(g, r, as(dya), as(h), dw2[0], dw2[1], none, none, tma);  // dw2_e = dy_eᵀ·h_e
   }
   h.reset();
   dya.reset();
-  if (output_mask[0]) {  // dx = dgate·w1_e + dup·w3_e
+  if (output_mask[kGradX]) {  // dx = dgate·w1_e + dup·w3_e
     gx = at::empty(x.sizes(), opt);
     at::Tensor gx2 = gx.view({geo.M, geo.H});
     routed::linear(g, r, as(dgate), p.gate, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma);
@@ -260,15 +263,21 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
     gx2.add_(gx_up);
   }
   if (want_dw1) {
-    allocate(dw1, 0, {geo.I, geo.H});
+    allocate(dw1, kGate, {geo.I, geo.H});
     routed::grad_weight(g, r, as(dgate), as(xa), dw1[0], dw1[1], none, none, tma);  // dgate_eᵀ·x_e
   }
   dgate.reset();
   if (want_dw3) {
-    allocate(dw3, 1, {geo.I, geo.H});
+    allocate(dw3, kUp, {geo.I, geo.H});
     routed::grad_weight(g, r, as(dup), as(xa), dw3[0], dw3[1], none, none, tma);  // dup_eᵀ·x_e
   }
   return result();
 }
 
 }  // namespace fused
+
+TORCH_LIBRARY_IMPL(fused, CUDA, m) {
+  m.impl("ffn", fused::ffn_cuda);
+  m.impl("ffn_forward", fused::ffn_forward_cuda);
+  m.impl("ffn_backward", fused::ffn_backward_cuda);
+}

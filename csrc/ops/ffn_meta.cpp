@@ -28,12 +28,15 @@ fused::FfnGrads bwd(const Tensor& grad_out, const Tensor& x, FUSED_FFN_ARGS, fus
   const auto g = fused::check_ffn_backward_inputs_symint(grad_out, x, w1, w3, w2, mask, u1, u3, u2, routing);
   if (fused::present(gate_up)) fused::check_gate_up_symint(*gate_up, x, g.I, "ffn_backward");
   const auto opt = x.options();
-  const auto out = [&](int i, c10::SymIntArrayRef size) {
-    return output_mask[i] && (i < 4 || (g.dual && !g.stacked)) ? at::empty_symint(size, opt) : Tensor();
-  };
-  // the weights' own shapes: [I, H] / [H, I], or stacked [2, ...]
-  return {out(0, x.sym_sizes()), out(1, w1.sym_sizes()), out(2, w3.sym_sizes()), out(3, w2.sym_sizes()),
-          out(4, w1.sym_sizes()), out(5, w3.sym_sizes()), out(6, w2.sym_sizes())};
+  std::array<Tensor, 7> out;
+  if (output_mask[fused::kGradX]) out[fused::kGradX] = at::empty_symint(x.sym_sizes(), opt);
+  const Tensor* weight[3] = {&w1, &w3, &w2};  // FfnProj order; each gradient has its weight's shape (u's: the same)
+  for (int expert = 0; expert < (g.dual ? 2 : 1); ++expert)
+    for (int proj : {fused::kGate, fused::kUp, fused::kDown}) {
+      const int slot = fused::ffn_grad_slot(g, expert, proj);
+      if (output_mask[slot]) out[slot] = at::empty_symint(weight[proj]->sym_sizes(), opt);
+    }
+  return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
 }
 }  // namespace
 

@@ -3,6 +3,7 @@
 // allow_tf32 does not apply on the CPU. Not tuned for speed. linear_dual_forward's routing comes from routing_cpu, the
 // reference of the CUDA routing (csrc/ops/route.cpp).
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include "ops/linear_dual.h"
 #include "ops/routed_gemm.h"
@@ -83,3 +84,9 @@ LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::T
 }
 
 }  // namespace fused
+
+TORCH_LIBRARY_IMPL(fused, CPU, m) {
+  m.impl("linear_dual", fused::linear_dual_cpu);
+  m.impl("linear_dual_forward", fused::linear_dual_forward_cpu);
+  m.impl("linear_dual_backward", fused::linear_dual_backward_cpu);
+}

@@ -13,6 +13,7 @@
 // routing it returns).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
 
 #include "ops/linear_dual.h"
 #include "ops/routed_gemm.h"
@@ -135,3 +136,9 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
 }
 
 }  // namespace fused
+
+TORCH_LIBRARY_IMPL(fused, CUDA, m) {
+  m.impl("linear_dual", fused::linear_dual_cuda);
+  m.impl("linear_dual_forward", fused::linear_dual_forward_cuda);
+  m.impl("linear_dual_backward", fused::linear_dual_backward_cuda);
+}

@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
 
 #include "ops/rope.h"
 #include "ops/torch_launch.h"
@@ -100,3 +101,30 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_cuda(const at::Tensor& q, const at::T
 }
 
 }  // namespace fused
+
+// The ops' kernels on this backend, registered here (the schemas: csrc/torch_bindings.cpp).
+namespace {
+using at::Tensor;
+
+Tensor fwd(const Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  return fused::rope_cuda(t, freqs, FUSED_ROPE_OPTS, false);
+}
+Tensor bwd(const Tensor& g, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  return fused::rope_cuda(g, freqs, FUSED_ROPE_OPTS, true);
+}
+void fwd_(Tensor& t, const Tensor& freqs, FUSED_ROPE_ARGS) { fused::rope_inplace_cuda(t, freqs, FUSED_ROPE_OPTS); }
+std::tuple<Tensor, Tensor> fwd_qk(const Tensor& q, const Tensor& k, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  return fused::rope_qk_cuda(q, k, freqs, FUSED_ROPE_OPTS, false);
+}
+std::tuple<Tensor, Tensor> bwd_qk(const Tensor& q, const Tensor& k, const Tensor& freqs, FUSED_ROPE_ARGS) {
+  return fused::rope_qk_cuda(q, k, freqs, FUSED_ROPE_OPTS, true);
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused, CUDA, m) {
+  m.impl("rope_fwd", fwd);
+  m.impl("rope_bwd", bwd);
+  m.impl("rope_fwd_", fwd_);
+  m.impl("rope_fwd_qk", fwd_qk);
+  m.impl("rope_bwd_qk", bwd_qk);
+}

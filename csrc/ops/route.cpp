@@ -37,8 +37,8 @@ at::Tensor routing_cpu(const at::Tensor& mask, bool aligned) {
   // padded to kAlign (end = start_1 + its padded length), unaligned: none (start_1 = count_0, end = M)
   const int64_t start1 = aligned ? routed::align_up(count0) : count0;
   const int64_t end = aligned ? start1 + routed::align_up(count1) : M;
-  const int64_t perm_len = aligned ? routed::aligned_rows(M) : M + routed::kRowTail;
-  at::Tensor buf = at::full({aligned ? routed::routing_buffer_size(M) : routed::kSegSlots + perm_len}, -1,
+  const int64_t perm_len = routed::perm_rows(M, aligned);
+  at::Tensor buf = at::full({aligned ? routed::routing_buffer_size(M) : routed::unaligned_routing_size(M)}, -1,
                             m.options().dtype(at::kInt));
   buf.narrow(0, 0, 5).copy_(at::tensor({int64_t{0}, start1, end, count0, count1}, at::kInt));
   at::Tensor perm = buf.narrow(0, routed::kSegSlots, perm_len);
@@ -52,7 +52,7 @@ at::Tensor route_cpu(const at::Tensor& mask) {
   const int64_t M = mask.numel();
   at::Tensor buf = at::full({routed::shared_routing_size(M)}, -1, mask.options().dtype(at::kInt));
   buf.narrow(0, 0, routed::routing_buffer_size(M)).copy_(routing_cpu(mask, /*aligned=*/true));
-  buf.narrow(0, routed::unaligned_section(M), routed::kSegSlots + M + routed::kRowTail)
+  buf.narrow(0, routed::unaligned_section(M), routed::unaligned_routing_size(M))
       .copy_(routing_cpu(mask, /*aligned=*/false));
   return buf;
 }
@@ -64,7 +64,7 @@ void check_routing_of_mask(const at::Tensor& routing, const at::Tensor& mask, co
   // leaves the others unwritten).
   const auto used = [&](const at::Tensor& t, bool aligned) {
     const int64_t off = aligned ? 0 : routed::unaligned_section(M);
-    const int64_t perm = aligned ? routed::aligned_rows(M) : M + routed::kRowTail;
+    const int64_t perm = routed::perm_rows(M, aligned);
     return at::cat({t.narrow(0, off, 5), t.narrow(0, off + routed::kSegSlots, perm)});
   };
   const bool shared = routing.numel() == routed::shared_routing_size(M);

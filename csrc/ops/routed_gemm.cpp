@@ -138,7 +138,7 @@ Routing routing_of(const at::Tensor& buffer, int64_t M, bool aligned) {
   Routing r;
   r.M = M;
   r.aligned = aligned;
-  r.M_pad = aligned ? aligned_rows(M) : M + kRowTail;
+  r.M_pad = perm_rows(M, aligned);
   r.buffer = buffer;
   const int64_t off = aligned ? 0 : unaligned_section(M);
   r.seg = buffer.narrow(0, off, 5);
@@ -153,7 +153,7 @@ Routing route_into(const at::Tensor& m, bool aligned, const at::Tensor& buffer) 
   Routing r;
   r.M = m.numel();
   r.aligned = aligned;
-  r.M_pad = aligned ? aligned_rows(r.M) : r.M + kRowTail;  // kernels/routing.py: padded_rows
+  r.M_pad = perm_rows(r.M, aligned);  // kernels/routing.py: padded_rows
   TORCH_INTERNAL_ASSERT(buffer.numel() >= kSegSlots + r.M_pad);
   r.buffer = buffer;
   r.seg = buffer.narrow(0, 0, 5);
@@ -189,7 +189,7 @@ Routing route(const at::Tensor& mask, bool aligned) {
   const int64_t M = m.numel();
   // Aligned: linear_dual_forward may return it (its length pins M). Unaligned (the ffn forward, whose memory target
   // counts every byte beside h): just seg's slots and perm.
-  const int64_t n = aligned ? routing_buffer_size(M) : kSegSlots + M + kRowTail;
+  const int64_t n = aligned ? routing_buffer_size(M) : unaligned_routing_size(M);
   return route_into(m, aligned, at::empty({n}, m.options().dtype(at::kInt)));
 }
 
@@ -200,7 +200,7 @@ at::Tensor route_shared(const at::Tensor& mask) {
   // tail), so that the op's result is a function of the mask alone, equal to the CPU's: one fill per forward pass.
   at::Tensor buffer = at::full({shared_routing_size(M)}, -1, m.options().dtype(at::kInt));
   ensure_routed(route_into(m, /*aligned=*/true, buffer.narrow(0, 0, routing_buffer_size(M))));
-  ensure_routed(route_into(m, /*aligned=*/false, buffer.narrow(0, unaligned_section(M), kSegSlots + M + kRowTail)));
+  ensure_routed(route_into(m, /*aligned=*/false, buffer.narrow(0, unaligned_section(M), unaligned_routing_size(M))));
   return buffer;
 }
 

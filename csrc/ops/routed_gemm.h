@@ -101,6 +101,9 @@ void ensure_routed(const Routing& r);
 inline int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 // M_pad of an aligned routing of M rows (kernels/routing.py padded_rows): both experts' segments padded to kAlign.
 inline int64_t aligned_rows(int64_t M) { return align_up(M) + kAlign; }
+// M_pad (perm's length) of a two-expert routing of M rows: aligned_rows(M), or M + kRowTail unaligned (no padding;
+// the tail lets a row tile read perm past M).
+inline int64_t perm_rows(int64_t M, bool aligned) { return aligned ? aligned_rows(M) : M + kRowTail; }
 // The slots of Routing::buffer ahead of perm (seg and 3 unused), and its length for an aligned routing of M rows:
 // M + 2 * kAlign entries hold perm (M_pad <= M + 2 * kAlign - 1), and the length pins M exactly (a routing passed
 // back to an op is checked by its size; its contents would need a host sync).
@@ -116,8 +119,12 @@ Int routing_buffer_size(const Int& M) { return M + (kSegSlots + 2 * kAlign); }
 // (Templates: the Meta kernels compute these sizes on a symbolic M, c10::SymInt.)
 template <typename Int>
 Int unaligned_section(const Int& M) { return (M + (kSegSlots + 2 * kAlign + 3)) / 4 * 4; }
+// The entries of one unaligned routing (seg's slots, then perm of perm_rows(M, false)): the shared routing's second
+// section, and the whole buffer of the ffn forward's own routing.
 template <typename Int>
-Int shared_routing_size(const Int& M) { return unaligned_section(M) + (kSegSlots + kRowTail) + M; }
+Int unaligned_routing_size(const Int& M) { return M + (kSegSlots + kRowTail); }
+template <typename Int>
+Int shared_routing_size(const Int& M) { return unaligned_section(M) + unaligned_routing_size(M); }
 // Both routings of `mask` into a new shared routing buffer (one or two routing launches each; no host sync), -1 in
 // every entry they do not write.
 at::Tensor route_shared(const at::Tensor& mask);
