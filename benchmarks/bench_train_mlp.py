@@ -186,7 +186,8 @@ def main(argv=None):
 
     def weights(E):
         shape = (E,) if E > 1 else ()
-        mk = lambda *s: (torch.randn(*shape, *s, device=dev, dtype=dt) / math.sqrt(s[-1])).requires_grad_(True)  # noqa: E731
+        def mk(*s):
+            return (torch.randn(*shape, *s, device=dev, dtype=dt) / math.sqrt(s[-1])).requires_grad_(True)
         return mk(I, H), mk(I, H), mk(H, I)
 
     w2e = weights(2)
@@ -241,8 +242,8 @@ def main(argv=None):
                     host_ms = (time.perf_counter() - t0) * 1e3 / 3
                     torch.cuda.synchronize()
                     stats1 = torch.cuda.memory_stats()
-                    delta = {k: stats1.get(k, 0) - stats0.get(k, 0)
-                             for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
+                    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+                    delta = {k: stats1.get(k, 0) - stats0.get(k, 0) for k in keys}
                     print(f"[train_mlp] {name}: host {host_ms:.3f} ms per step enqueued; over 3 steps {delta}")
             entry = {"M": M, "mask": kind, "vision": int(mask.sum()), "impls": rows}
             results["dual"].append(entry)

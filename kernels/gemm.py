@@ -301,8 +301,9 @@ def routed_swiglu_kernel(a_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, g
                          INPUT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, SAVE: tl.constexpr = False, PDL: tl.constexpr = False):
-    """h = silu(A @ W1_e^T) * (A @ W3_e^T); W1_e, W3_e [N = intermediate, K = hidden]. SAVE (with GATHER_A): gate and
-    up also into gate_up (_save_gate_up)."""
+    """h = silu(A @ W1_e^T) * (A @ W3_e^T); W1_e, W3_e [N = intermediate, K = hidden], all four weights of one row
+    stride stride_w. SAVE (with GATHER_A): gate and up also into gate_up (_save_gate_up); without it gu_ptr and
+    stride_gu are not read."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     num_pid_m = M_pad // BLOCK_M
@@ -601,7 +602,8 @@ def routed_swiglu_tma_kernel(a_desc, w1_desc, w3_desc, h_ptr, gu_ptr, perm_ptr, 
     """a_desc: [M_pad, K] block [BM, BK]; w1_desc / w3_desc: stacked [2, N, K] block [1, BN, BK]. Persistent over
     the tiles that hold rows: rows of h past each expert's last row tile are not written (only the down projection
     reads h, and its padding rows' outputs are not stored). one_rows > 0: one expert, no perm / seg (_walk_tiles).
-    w_map: both projections' expert orders (_swiglu_step). SAVE: gate and up also into gate_up (_save_gate_up)."""
+    w_map: both projections' expert orders (_swiglu_step). SAVE: gate and up also into gate_up (_save_gate_up);
+    without it gu_ptr and stride_gu are not read."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -634,7 +636,7 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, w13h_desc, h_ptr, gu_ptr, pe
     both projections, which share the descriptor's strides). The accumulator [BM, 2 BN] splits into gate and up in the
     epilogue. one_rows as in routed_swiglu_tma_kernel. A last round that fills at most half the programs is split
     in column halves (_split_tail), loaded through w13h_desc: the same tensor, block [2, 1, BN / 2, BK]. SAVE: gate
-    and up also into gate_up (_save_gate_up)."""
+    and up also into gate_up (_save_gate_up); without it gu_ptr and stride_gu are not read."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -712,8 +714,8 @@ def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, gu_ptr, perm
                                     FLATTEN: tl.constexpr, SAVE: tl.constexpr = False, PDL: tl.constexpr = False):
     """routed_swiglu_tma_kernel with x in token order, its rows gathered through perm inside the main loop (no
     [M_pad, H] gather copy); h expert-ordered as there (rows past each expert's last row tile not written).
-    ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). SAVE: gate and up also into gate_up
-    (_save_gate_up)."""
+    ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles; mask_ptr, M and M_pad, perm's length, are read only
+    then). SAVE: gate and up also into gate_up (_save_gate_up); without it gu_ptr and stride_gu are not read."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -1038,9 +1040,9 @@ def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, sca
     grid = (min(num_programs or tiles, tiles), )
     gu, stride_gu, save = _gate_up_arg(gate_up, h)
     routed_swiglu_tma_kernel[grid](a_desc, w1_desc, w3_desc, h, gu, perm, seg, one_rows, N, K, h.stride(0), stride_gu,
-                                   w_map, SCATTER_OUT=scatter_out, SAVE=save, INPUT_PRECISION=input_precision, BLOCK_M=BM,
-                                   BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
-                                   num_stages=num_stages)
+                                   w_map, SCATTER_OUT=scatter_out, SAVE=save, INPUT_PRECISION=input_precision,
+                                   BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN,
+                                   num_warps=num_warps, num_stages=num_stages)
     return h
 
 
@@ -1059,9 +1061,9 @@ def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, i
     grid = (min(num_programs or tiles, tiles), )
     gu, stride_gu, save = _gate_up_arg(gate_up, h)
     routed_swiglu_pair_tma_kernel[grid](a_desc, w_desc, wh_desc, h, gu, perm, seg, one_rows, N, K, h.stride(0),
-                                        stride_gu, int(up_first), w_map, SAVE=save, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
-                                        BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
-                                        num_stages=num_stages)
+                                        stride_gu, int(up_first), w_map, SAVE=save, INPUT_PRECISION=input_precision,
+                                        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN,
+                                        num_warps=num_warps, num_stages=num_stages)
     return h
 
 
@@ -1099,9 +1101,10 @@ def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, 
     grid = (min(num_programs or tiles, tiles), )
     gu, stride_gu, save = _gate_up_arg(gate_up, h)
     routed_swiglu_gather_tma_kernel[grid](a, w1_desc, w3_desc, h, gu, perm, seg, mask_arg, M, M_pad, N, K,
-                                          a.stride(0), h.stride(0), stride_gu, w_map, SAVE=save, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
-                                          BLOCK_K=BK, GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align,
-                                          FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
+                                          a.stride(0), h.stride(0), stride_gu, w_map, SAVE=save,
+                                          INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                                          GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
+                                          num_warps=num_warps, num_stages=num_stages)
     return h
 
 

@@ -77,6 +77,8 @@ def num_route_blocks(M: int, chunk: int) -> int:
 
 @triton.jit
 def routing_count_kernel(mask_ptr, block_counts_ptr, M, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """Pass 1 of a routing of more than ONE_BLOCK rows: block_counts int32 [cdiv(M, CHUNK), 2] = (expert-0, expert-1)
+    rows of each CHUNK of the mask (bytes, nonzero = expert 1). Grid: cdiv(M, CHUNK)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
@@ -130,6 +132,9 @@ def pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN: tl.constexpr):
 @triton.jit
 def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_pad, num_blocks,
                            CHUNK: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):
+    """Pass 2: perm [M_pad] and seg [5] from routing_count_kernel's block_counts (the same CHUNK; num_blocks of
+    them): each program places its CHUNK's rows after the earlier blocks' rows of their expert; program 0 also writes
+    seg and the padding entries (-1). Grid: num_blocks."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     # Exclusive prefix of the per-block counts (rows of each expert in earlier blocks) + totals.

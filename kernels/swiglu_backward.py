@@ -31,8 +31,9 @@ def swiglu_grads(g, u, d):
 def swiglu_backward_kernel(gate_ptr, up_ptr, dh_ptr, h_ptr, dup_ptr, perm_ptr, n_rows, n_cols, stride_in, stride,
                            GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                            PDL: tl.constexpr = False):
-    """gate / up [., n_cols] of row stride stride_in (row perm[r] when GATHER, else r); dh, h, d_up [n_rows, n_cols]
-    of row stride `stride`."""
+    """gate / up [., n_cols] of row stride stride_in (row perm[r] when GATHER, else r; perm_ptr is read only with
+    GATHER); dh, h, d_up [n_rows, n_cols] of row stride `stride`. Grid: (cdiv(n_rows, BLOCK_R), cdiv(n_cols,
+    BLOCK_C))."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)

@@ -442,7 +442,8 @@ def _error_bound(c, name, ref, tol):
 def run_case(c: dict, device, verbose: bool = False, repeat: bool = True):
     """Failure lines of one case (empty: passed). An output passes with a relative error <= the dtype's tolerance,
     or, off the CPU, <= a few times the error of the same computation in the case's own dtype (_error_bound: an
-    ill-conditioned output, e.g. a tiny shape whose sums cancel, loses as many digits there). repeat: also a second device run, which must give the same bits."""
+    ill-conditioned output, e.g. a tiny shape whose sums cancel, loses as many digits there). repeat: also a second
+    device run, which must give the same bits."""
     try:
         inp = build(c, device)
         got = call(c, inp.dev, True)

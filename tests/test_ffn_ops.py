@@ -171,8 +171,8 @@ def test_backward_matrix(device, mask_kind, dtype, recompute):
 @pytest.mark.parametrize("shape_key", list(SHAPES))
 @pytest.mark.parametrize("mask_kind", ["single", "random", "span", "all_true"])
 def test_ffn_forward_saves_gate_up(device, mask_kind, shape_key, dtype):
-    """ffn_forward: the output bit for bit ffn's, and gate_up x.shape[:-1] + [2I] = [x·w1ᵀ, x·w3ᵀ] of each token's own
-    expert (float64 reference), every element written (the allocator poisoned before)."""
+    """ffn_forward: the output bit for bit ffn's, and gate_up x.shape[:-1] + [2I] = [x·w1ᵀ, x·w3ᵀ] of each token's
+    own expert (float64 reference), every element written (the allocator poisoned before)."""
     M, H, I = SHAPES[shape_key]  # noqa: E741
     dual = mask_kind != "single"
     x = strided_view((M,), H, dtype, device).reshape(1, M, H)
