@@ -145,6 +145,34 @@ def test_training_step():
     assert torch.isfinite(model(ids, labels=ids).loss)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_recompute_option(recompute):
+    """apply_fused_ops(recompute=...): the MLPs' forward keeps gate and up (ffn_forward under autograd) or nothing
+    (ffn, its backward computing them again); the gradients match the unpatched model either way; removing the patch
+    drops the setting, and the state dict does not hold it."""
+    ref, model = patched_pair()
+    hf.apply_fused_ops_to_llama(model, recompute=recompute)
+    assert set(model.state_dict()) == set(ref.state_dict())
+    ids = tokens()
+    ref(ids, labels=ids).loss.backward()
+    names = []
+
+    class Raw(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func.overloadpacket).startswith("fused."):
+                names.append(str(func.overloadpacket).split(".", 1)[1])
+            return func(*args, **(kwargs or {}))
+
+    with Raw():
+        model(ids, labels=ids).loss.backward()
+    forward_op = "ffn" if recompute else "ffn_forward"
+    assert names.count(forward_op) == LAYERS and names.count("ffn_backward") == LAYERS, names
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-6, name
+    hf.remove_fused_ops(model)
+    assert not any("_fused_ops_recompute" in layer.mlp.__dict__ for layer in model.model.layers)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing(reentrant):
     """Recomputed layers run the fused ops again (HF passes position_embeddings by keyword, so the tagged cos

@@ -78,10 +78,16 @@ def _plain_linear(lin) -> bool:
             and not lin._backward_hooks and not lin._backward_pre_hooks and "forward" not in lin.__dict__)
 
 
+# The instance attribute of a patched MLP that holds apply_fused_ops' `recompute` (not a parameter or buffer: the state
+# dict does not see it).
+_RECOMPUTE = "_fused_ops_recompute"
+
+
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """x: `[b, s, H]` -> `[b, s, H]`, HF's `down_proj(act_fn(gate_proj(x)) * up_proj(x))` as one fused op."""
     if _plain_linear(self.gate_proj) and _plain_linear(self.up_proj) and _plain_linear(self.down_proj):
-        return torch.ops.fused.ffn(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return torch.ops.fused.ffn(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                                   recompute=self.__dict__.get(_RECOMPUTE, False))
     return type(self).forward(self, x)  # changed after patching (e.g. PEFT wrapped a projection): HF's path
 
 
@@ -238,28 +244,33 @@ def _check_layer(i: int, layer: nn.Module, prefix: str, mlp: bool, rope: bool, o
 # public entry points
 
 
-def apply_fused_ops(model: nn.Module, *, mlp: bool = True, rope: bool = True) -> FusedPatchReport:
+def apply_fused_ops(model: nn.Module, *, mlp: bool = True, rope: bool = True,
+                    recompute: bool = False) -> FusedPatchReport:
     """Patches a transformers Llama-family model (Llama, Mistral, Qwen2; `*Model` or `*ForCausalLM` etc.) in place.
 
     Args:
         model: the model; its parameters are used as they are (no copy, any device and dtype the ops support).
         mlp: every decoder layer's MLP computes with `torch.ops.fused.ffn` (single expert).
         rope: the attention's RoPE on q and k computes with `torch.ops.fused.rope_fwd_qk`.
+        recompute: the fused MLPs keep no activations for the backward and compute gate and up again there
+            (`fused_ops.ffn`'s `recompute`: less memory in training, two more GEMMs per layer). Default False: they
+            keep the gate and up pre-activations (2 * intermediate_size elements per token and layer).
     Returns a FusedPatchReport of what now runs fused (earlier patches included). Calling it again is harmless.
     Raises ValueError, naming the module and the reason, before changing anything, for a model that is not
     Llama-family (another model_type, an MLP that is not bias-free SwiGLU, e.g. hidden_act 'gelu' or mlp_bias=True,
     a projection wrapped by PEFT or hooked) or whose transformers code computes RoPE otherwise than checked here.
     `remove_fused_ops(model)` undoes it.
     """
-    return _apply(model, SUPPORTED, mlp, rope, "fused_ops.hf.apply_fused_ops")
+    return _apply(model, SUPPORTED, mlp, rope, "fused_ops.hf.apply_fused_ops", recompute)
 
 
-def apply_fused_ops_to_llama(model: nn.Module, *, mlp: bool = True, rope: bool = True) -> FusedPatchReport:
+def apply_fused_ops_to_llama(model: nn.Module, *, mlp: bool = True, rope: bool = True,
+                             recompute: bool = False) -> FusedPatchReport:
     """`apply_fused_ops` for a Llama model only (model_type 'llama'; e.g. LlamaForCausalLM, LlamaModel)."""
-    return _apply(model, ("llama",), mlp, rope, "fused_ops.hf.apply_fused_ops_to_llama")
+    return _apply(model, ("llama",), mlp, rope, "fused_ops.hf.apply_fused_ops_to_llama", recompute)
 
 
-def _apply(model, allowed, mlp: bool, rope: bool, owner: str) -> FusedPatchReport:
+def _apply(model, allowed, mlp: bool, rope: bool, owner: str, recompute: bool = False) -> FusedPatchReport:
     model_type, prefix, base = _layers_of(model, owner, allowed)
     layers: List[nn.Module] = list(base.layers)
     for i, layer in enumerate(layers):
@@ -285,6 +296,7 @@ def _apply(model, allowed, mlp: bool, rope: bool, owner: str) -> FusedPatchRepor
         for layer in layers:
             if not _is_bound(layer.mlp, _mlp_forward):
                 _bind(layer.mlp, _mlp_forward)
+            layer.mlp.__dict__[_RECOMPUTE] = bool(recompute)
     if rope and layers:
         for layer in layers:
             namespace = _attn_globals(layer.self_attn)
@@ -311,4 +323,5 @@ def remove_fused_ops(model: nn.Module) -> FusedPatchReport:
     for module in [getattr(layer, "mlp", None) for layer in base.layers] + [getattr(base, "rotary_emb", None)]:
         if module is not None and (_is_bound(module, _mlp_forward) or _is_bound(module, _rotary_forward)):
             del module.forward
+            module.__dict__.pop(_RECOMPUTE, None)
     return _report(model_type, base, ())
