@@ -108,6 +108,14 @@ def run_and_check_grads(x, w, mask, tol, allow_tf32=False, g=None, recompute=Fal
     return out.detach(), ref_out
 
 
+def weight_grads_ref(x, w, mask, g):
+    """float64 (out, [grad_x, grad of each weight present in W_NAMES order]) of the reference, and those names."""
+    names = [n for n in W_NAMES if n in w]
+    out, ref = reference_grads(lambda a, *ws: ffn_reference(a, *op_args(dict(zip(names, ws)), mask)),
+                               [x] + [w[n] for n in names], g, [True] * (1 + len(names)))
+    return out, ref, names
+
+
 class LlamaMLPLike(nn.Module):
     """Hand-written equivalent of HF transformers' LlamaMLP (same attribute names and formula), so the interop tests
     run without transformers: down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
@@ -189,30 +197,6 @@ def test_ffn_forward_saves_gate_up(device, mask_kind, shape_key, dtype):
     check_out(gate_up, ref, (1, M, 2 * I), dtype, device, TOL[dtype], "gate_up")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
-@pytest.mark.parametrize("mask_kind", ["single", "random", "all_false"])
-def test_backward_op_with_gate_up(device, mask_kind, dtype):
-    """ffn_backward(gate_up=ffn_forward's) against the float64 reference, and gate_up left unchanged by it (autograd
-    keeps it; retain_graph may run the backward again)."""
-    M, H, I = 37, 24, 72  # noqa: E741
-    dual = mask_kind != "single"
-    x = strided_view((M,), H, dtype, device)
-    mask = make_mask(mask_kind, (M,), device) if dual else None
-    w = make_weights(H, I, dtype, device, dual)
-    g = strided_view((M,), H, dtype, device, "sliced")
-    _, gate_up = OPS.ffn_forward(x, *op_args(w, mask))
-    kept = gate_up.clone()
-    got = OPS.ffn_backward(g, x, *op_args(w, mask), gate_up=gate_up)
-    assert torch.equal(gate_up, kept), "ffn_backward modified gate_up"
-    names = [n for n in W_NAMES if n in w]
-    _, ref = reference_grads(lambda a, *ws: ffn_reference(a, *op_args(dict(zip(names, ws)), mask)),
-                             [x] + [w[n] for n in names], g, [True] * (1 + len(names)))
-    for name, gt, rg in zip(["grad_x"] + [f"grad_{n}" for n in names], got, ref):
-        check_grad(gt, rg, dtype, TOL[dtype], name)
-    again = OPS.ffn_backward(g, x, *op_args(w, mask), gate_up=gate_up)
-    assert all(torch.equal(a, b) for a, b in zip(got[:1 + len(names)], again[:1 + len(names)]))
-
-
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
 @pytest.mark.parametrize("mask_kind", ["random", "all_true", "span"])
@@ -241,8 +225,7 @@ def test_stacked_weights(device, mask_kind, dtype, recompute):
     sd = [t.detach() for t in st]
     direct = OPS.ffn_backward(g, x, *sd, mask, gate_up=None if recompute else OPS.ffn_forward(x, *sd, mask)[1])
     assert all(t is None for t in direct[4:]) and all(torch.equal(a, b) for a, b in zip(direct[:4], got))
-    ref_out, ref = reference_grads(lambda a, *ws: ffn_reference(a, *op_args(dict(zip(W_NAMES, ws)), mask)),
-                                   [x] + [w[n] for n in W_NAMES], g, [True] * 7)
+    ref_out, ref, _ = weight_grads_ref(x, w, mask, g)
     check_out(out, ref_out, (M, H), dtype, device, TOL[dtype])
     for j, n in enumerate(("w1", "w3", "w2")):
         check_grad(got[1 + j], torch.stack([ref[4 + j], ref[1 + j]]), dtype, TOL[dtype], f"grad stacked {n}")
@@ -286,26 +269,32 @@ def test_backward_twice_with_retained_graph(device):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+@pytest.mark.parametrize("gate_up", ["recomputed", "saved"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
 @pytest.mark.parametrize("mask_kind", ["single", "random", "all_false"])
-def test_backward_op_direct(device, mask_kind, dtype):
+def test_backward_op_direct(device, mask_kind, dtype, gate_up):
     """ffn_backward called directly: (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2), the u gradients
-    None for the single expert."""
+    None for the single expert; gate and up recomputed, or read from ffn_forward's gate_up, which the backward leaves
+    unchanged (autograd keeps it; retain_graph may run the backward again) and which gives the same bits twice."""
     M, H, I = 37, 24, 72  # noqa: E741
     dual = mask_kind != "single"
     x = strided_view((M,), H, dtype, device)
     mask = make_mask(mask_kind, (M,), device) if dual else None
     w = make_weights(H, I, dtype, device, dual)
     g = strided_view((M,), H, dtype, device, "sliced")
+    gu = OPS.ffn_forward(x, *op_args(w, mask))[1] if gate_up == "saved" else None
+    kept = None if gu is None else gu.clone()
     poison_allocator(device, (M * H + 7 * H * I) * x.element_size())
-    got = OPS.ffn_backward(g, x, *op_args(w, mask))
-    names = [n for n in W_NAMES if n in w]
+    got = OPS.ffn_backward(g, x, *op_args(w, mask), gate_up=gu)
+    _, ref, names = weight_grads_ref(x, w, mask, g)
     assert isinstance(got, tuple) and len(got) == 7
     assert all(t is None for t in got[1 + len(names):]), "the single expert has no u gradients"
-    _, ref = reference_grads(lambda a, *ws: ffn_reference(a, *op_args(dict(zip(names, ws)), mask)),
-                             [x] + [w[n] for n in names], g, [True] * (1 + len(names)))
     for name, gt, rg in zip(["grad_x"] + [f"grad_{n}" for n in names], got, ref):
         check_grad(gt, rg, dtype, TOL[dtype], name)
+    if gu is not None:
+        assert torch.equal(gu, kept), "ffn_backward modified gate_up"
+        again = OPS.ffn_backward(g, x, *op_args(w, mask), gate_up=gu)
+        assert all(torch.equal(a, b) for a, b in zip(got[:1 + len(names)], again[:1 + len(names)]))
 
 
 GRAD_NAMES = tuple(["grad_x"] + [f"grad_{n}" for n in W_NAMES])
@@ -335,9 +324,7 @@ def test_backward_output_mask(device, which, shape_key, dual):
     poison_allocator(device, (M * H + 7 * H * I) * x.element_size())
     got = OPS.ffn_backward(g, x, *op_args(w, mask), output_mask=want)
     assert isinstance(got, tuple) and len(got) == 7
-    names = [n for n in W_NAMES if n in w]
-    _, ref = reference_grads(lambda a, *ws: ffn_reference(a, *op_args(dict(zip(names, ws)), mask)),
-                             [x] + [w[n] for n in names], g, [True] * (1 + len(names)))
+    _, ref, names = weight_grads_ref(x, w, mask, g)
     for i, (name, gt, ft) in enumerate(zip(GRAD_NAMES, got, full)):
         if not want[i] or i > len(names):
             assert gt is None, f"{name} was not asked for (or does not exist)"
