@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import bench, device_name, rotation_count  # noqa: E402
+from routed_harness import rel_err  # noqa: E402
 
 H, I = 4096, 14336  # noqa: E741
 SPAN_FRACTION = 2306 / 8192
@@ -129,10 +130,6 @@ def ref_grads(x, mask, w, g):
         outs = [F.linear(F.silu(F.linear(xd, wd[0][e])) * F.linear(xd, wd[1][e]), wd[2][e]) for e in (0, 1)]
         out = torch.where(mask[:, None], outs[1], outs[0])
     return torch.autograd.grad(out, [xd] + wd, g.double())
-
-
-def rel_err(a, b):
-    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def peak_bytes(fn, args):
