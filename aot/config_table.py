@@ -16,7 +16,7 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
 * `block`, `group` (GROUP_M / GROUP_N), `warps`, `stages`: the meta-parameters compiled in; `"flatten": true` (the
   persistent TMA GEMMs only, PERSISTENT below) flattens the loop over tiles into the K loop, so the compiler's
   pipeline runs across tiles and the next tile's loads overlap this one's epilogue. `"split": true` (the linear TMA
-  GEMMs, SPLIT_CONFIG below) compiles in the split of a last partial round in column halves (kernels/gemm.py
+  GEMMs, SPLIT_CONFIG below) compiles in the split of a last partial round in column halves (kernels/gemm_tiles.py
   _split_tail; the paired gate/up GEMM always has it). An optional `why` says where a value comes from.
 * `"off": true` (only for kernels that are an alternative design, OPTIONAL below): the kernel is not used for the
   bucket's m, and the launcher takes the other design (for routed_{linear,swiglu}_gather_tma_kernel: a gather copy,
@@ -62,8 +62,8 @@ OPTIONAL = {"routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel"
 # the persistent TMA GEMMs, whose tile loop may be flattened into the K loop ("flatten": true; tl.range(flatten=True))
 PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_linear_gather_tma_kernel",
               "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
-# the persistent kernels that split a last partial round in column halves (kernels/gemm.py _split_tail): SPLIT_CONFIG
-# where the table's "split" says so (constexpr SPLIT_TAIL), ALWAYS_SPLIT in every config
+# the persistent kernels that split a last partial round in column halves (kernels/gemm_tiles.py _split_tail):
+# SPLIT_CONFIG where the table's "split" says so (constexpr SPLIT_TAIL), ALWAYS_SPLIT in every config
 SPLIT_CONFIG = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"}
 ALWAYS_SPLIT = {"routed_swiglu_pair_tma_kernel"}
 _ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "flatten", "split", "why", "off"}
@@ -146,7 +146,7 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
         fail(f"{at}: 'split' is a bool, and only for {', '.join(sorted(SPLIT_CONFIG))}")
     if (name in ALWAYS_SPLIT or e.get("split")) and blk[1] < 16:
         fail(f"{at}: block[1] = {blk[1]} must be at least 16: a split last round loads BLOCK_N / 2 columns per weight "
-             "(kernels/gemm.py _split_tail), and TMA and the MMA need 8 or more")
+             "(kernels/gemm_tiles.py _split_tail), and TMA and the MMA need 8 or more")
     if e.get("warps") not in (1, 2, 4, 8, 16):
         fail(f"{at}: 'warps' must be 1, 2, 4, 8 or 16, got {e.get('warps')!r}")
     if not (isinstance(e.get("stages"), int) and 1 <= e["stages"] <= 8):

@@ -144,7 +144,8 @@ def _rope_variants() -> List[Variant]:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Routed GEMMs (kernels/routing.py, kernels/gemm.py; what they do and their grids: kernels/GEMM.md). Launched by
+# Routed GEMMs (kernels/routing.py, kernels/gemm_*.py, kernels/gather_rows.py, kernels/grad_weight.py; what they do
+# and their grids: kernels/GEMM.md, which also says which file holds which kernel). Launched by
 # csrc/ops/routed_gemm.cpp, which looks the config up in the generated bucket table (csrc/runtime/kernel_configs.h)
 # and computes the grid from the same entry whose "cfg=..." it puts in the key, so grid and kernel cannot disagree.
 # Block configs per architecture, family and m bucket: aot/configs/sm<arch>.json (aot/config_table.py). The TMA
@@ -215,36 +216,36 @@ def _routing_variants() -> List[Variant]:
 
 
 def _gemm_variants() -> List[Variant]:
-    # The gather's rows per program, from kernels/gemm.py as its Python launchers use it; in the keys ("rows=32"), so
-    # that a C++ launcher whose grid assumes another value fails with "no compiled variant" instead of gathering the
-    # wrong rows.
+    # The gather's rows per program, from kernels/gather_rows.py as its Python launchers use it; in the keys
+    # ("rows=32"), so that a C++ launcher whose grid assumes another value fails with "no compiled variant" instead
+    # of gathering the wrong rows.
     from kernels import routing
-    from kernels.gemm import GATHER_COLS, GATHER_ROWS
+    from kernels.gather_rows import GATHER_COLS, GATHER_ROWS
     out = []
     for dt in DTYPES:  # gather_rows: a copy (colsum=1: with per-block column sums), no precision, not configurable
-        args = runtime_args("kernels.gemm:gather_rows_kernel", dt)
+        args = runtime_args("kernels.gather_rows:gather_rows_kernel", dt)
         for colsum in (0, 1):
             cols, warps = GATHER_COLS[bool(colsum)]  # in the key too: the C++ grid divides C by it
             for spec in (_aligned(args), {}):
                 key = {"dtype": dt, "colsum": colsum, "rows": GATHER_ROWS, "cols": cols}
-                out.append(Variant("kernels.gemm:gather_rows_kernel", key, args,
+                out.append(Variant("kernels.gather_rows:gather_rows_kernel", key, args,
                                    {"COLSUM": bool(colsum), "BLOCK_R": GATHER_ROWS, "BLOCK_C": cols}, spec, warps, 1,
                                    ARCHS))
         # route_gather_rows: the unaligned routing of a mask of up to ONE_BLOCK rows and the gather through it, one
         # launch (the ffn forward's x, sm_90: only the TMA kernels take an unaligned routing). block: the
         # one-block routing size of M, as routing_one_block_kernel's (the C++ launcher asks for one_block_size(M)).
-        args = runtime_args("kernels.gemm:route_gather_rows_kernel", dt)
+        args = runtime_args("kernels.gather_rows:route_gather_rows_kernel", dt)
         cols, warps = GATHER_COLS[False]
         for block in routing.ONE_BLOCKS:
             key = {"dtype": dt, "block": block, "rows": GATHER_ROWS, "cols": cols}
             for spec in (_aligned(args), {}):
-                out.append(Variant("kernels.gemm:route_gather_rows_kernel", key, args,
+                out.append(Variant("kernels.gather_rows:route_gather_rows_kernel", key, args,
                                    {"MASK_BLOCK": block, "BLOCK_R": GATHER_ROWS, "BLOCK_C": cols}, spec, warps, 1,
                                    (90,)))
         # expert_colsum: the second pass of the bias gradients (the per-expert sums of gather_rows' colsum).
-        args = runtime_args("kernels.gemm:expert_colsum_kernel", dt)
+        args = runtime_args("kernels.gather_rows:expert_colsum_kernel", dt)
         for spec in (_aligned(args), {}):
-            out.append(Variant("kernels.gemm:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_ROWS}, args,
+            out.append(Variant("kernels.gather_rows:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_ROWS}, args,
                                {"ROWS_PER_BLOCK": GATHER_ROWS, "BLOCK_B": 64, "BLOCK_C": 64}, spec, 4, 1, ARCHS))
     for dt in DTYPES:  # swiglu_backward: elementwise (kernels/swiglu_backward.py); not configurable. gather=1: gate
         # and up saved by the forward in token order, read through perm into the backward's expert-ordered buffers.
@@ -259,46 +260,46 @@ def _gemm_variants() -> List[Variant]:
 
         # routed_linear_kernel (pointer loads): (GATHER_A, SCATTER_OUT, W_TRANSPOSED, HAS_BIAS) combinations used by
         # linear_dual forward (with / without bias) and grad-input, and by the ffn down projection (A = h).
-        args = runtime_args("kernels.gemm:routed_linear_kernel", dt)
+        args = runtime_args("kernels.gemm_pointer:routed_linear_kernel", dt)
         for cfg, archs in configs("routed_linear_kernel", fam):
             for gather, scatter, wt, bias in ((1, 1, 0, 1), (1, 1, 0, 0), (1, 1, 1, 0), (0, 1, 0, 0)):
                 key = dict(base, gather=gather, scatter=scatter, wt=wt, bias=bias)
                 meta = _tile_meta(cfg, prec, HAS_BIAS=bias, GATHER_A=gather, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
-                out += _both("kernels.gemm:routed_linear_kernel", key, args, meta, cfg, archs)
+                out += _both("kernels.gemm_pointer:routed_linear_kernel", key, args, meta, cfg, archs)
 
         # routed_swiglu_kernel (pointer loads): x gathered through perm -> expert-ordered h.
-        args = runtime_args("kernels.gemm:routed_swiglu_kernel", dt)
+        args = runtime_args("kernels.gemm_pointer:routed_swiglu_kernel", dt)
         # save=1: gate and up also stored for the ffn backward (SAVE), in every forward gate/up kernel below.
         for cfg, archs in configs("routed_swiglu_kernel", fam):
             for save in (0, 1):
                 meta = _tile_meta(cfg, prec, GATHER_A=True, SCATTER_OUT=False, SAVE=save)
-                out += _both("kernels.gemm:routed_swiglu_kernel", dict(base, gather=1, scatter=0, save=save), args,
-                             meta, cfg, archs)
+                out += _both("kernels.gemm_pointer:routed_swiglu_kernel", dict(base, gather=1, scatter=0, save=save),
+                             args, meta, cfg, archs)
 
         # routed_grad_weight_kernel: dW_e (and db_e) written in the input dtype (fp32 accumulation over all rows of
         # the expert inside one program), token-order dy/x gathered through perm: linear_dual (dbias) and the pointer
         # ffn backward. (Expert-ordered buffers, on sm_90, go to routed_grad_weight_tma_kernel.)
-        args = runtime_args("kernels.gemm:routed_grad_weight_kernel", dt)
+        args = runtime_args("kernels.grad_weight:routed_grad_weight_kernel", dt)
         for cfg, archs in configs("routed_grad_weight_kernel", fam):
             for dbias in (1, 0):
                 meta = _tile_meta(cfg, prec, _NKR, GATHER=True, HAS_DBIAS=dbias, ACCUMULATE=False)
-                out += _both("kernels.gemm:routed_grad_weight_kernel", dict(base, gather=1, dbias=dbias), args, meta,
-                             cfg, archs)
+                out += _both("kernels.grad_weight:routed_grad_weight_kernel", dict(base, gather=1, dbias=dbias), args,
+                             meta, cfg, archs)
 
         # routed_linear_tma_kernel (sm_90): A expert-ordered through a [BM, BK] descriptor, W stacked [E, R, C]
         # through a rank-3 descriptor ([1, BN, BK], or [1, BK, BN] when W_TRANSPOSED), and through one of half the
-        # columns for the split last round (kernels/gemm.py _split_tail; compiled in where the config has "split").
-        # (SCATTER_OUT, W_TRANSPOSED, HAS_BIAS): linear_dual forward / grad-input, ffn down projection, ffn backward
-        # (expert-ordered g, u, dh).
+        # columns for the split last round (kernels/gemm_tiles.py _split_tail; compiled in where the config has
+        # "split"). (SCATTER_OUT, W_TRANSPOSED, HAS_BIAS): linear_dual forward / grad-input, ffn down projection, ffn
+        # backward (expert-ordered g, u, dh).
         for cfg, archs in configs("routed_linear_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             for scatter, wt, bias in ((1, 0, 1), (1, 0, 0), (1, 1, 0), (0, 0, 0), (0, 1, 0)):
                 wblock = f"1, {bk}, {bn}" if wt else f"1, {bn}, {bk}"
                 hblock = f"1, {bk}, {bn // 2}" if wt else f"1, {bn // 2}, {bk}"
-                args = runtime_args("kernels.gemm:routed_linear_tma_kernel", dt,
+                args = runtime_args("kernels.gemm_tma:routed_linear_tma_kernel", dt,
                                     {"a_desc": f"{bm}, {bk}", "w_desc": wblock, "wh_desc": hblock})
                 meta = _split_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
-                out += _both("kernels.gemm:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
+                out += _both("kernels.gemm_tma:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
                              args, meta, cfg, archs)
 
         # routed_linear_gather_tma_kernel (sm_90): the linear forward with A in token order, its rows gathered by
@@ -307,66 +308,66 @@ def _gemm_variants() -> List[Variant]:
         # aligned routing of linear_dual.
         for cfg, archs in configs("routed_linear_gather_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = runtime_args("kernels.gemm:routed_linear_gather_tma_kernel", dt,
+            args = runtime_args("kernels.gemm_gather_tma:routed_linear_gather_tma_kernel", dt,
                                 {"w_desc": f"1, {bn}, {bk}", "wh_desc": f"1, {bn // 2}, {bk}"})
             align = config_table.ROUTING_ALIGN
             for route in route_blocks("routed_linear_gather_tma_kernel", fam, cfg):
                 for bias in (1, 0):
                     meta = _split_meta(cfg, prec, HAS_BIAS=bias)
                     meta.update(ROUTE_BLOCK=route, ALIGN=align)
-                    out += _both("kernels.gemm:routed_linear_gather_tma_kernel",
+                    out += _both("kernels.gemm_gather_tma:routed_linear_gather_tma_kernel",
                                  dict(base, bias=bias, route=route, align=align), args, meta, cfg, archs)
 
         # routed_swiglu_gather_tma_kernel (sm_90): the gate/up GEMM with x in token order (rows gathered inside), on
         # the unaligned routing of the ffn forward's TMA path; routes the mask itself as the linear one does.
         for cfg, archs in configs("routed_swiglu_gather_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = runtime_args("kernels.gemm:routed_swiglu_gather_tma_kernel", dt,
+            args = runtime_args("kernels.gemm_gather_tma:routed_swiglu_gather_tma_kernel", dt,
                                 {"w1_desc": f"1, {bn}, {bk}", "w3_desc": f"1, {bn}, {bk}"})
             for route in route_blocks("routed_swiglu_gather_tma_kernel", fam, cfg):
                 for save in (0, 1):
                     meta = dict(_persistent_meta(cfg, prec, SAVE=save), ROUTE_BLOCK=route, ALIGN=1)
-                    out += _both("kernels.gemm:routed_swiglu_gather_tma_kernel",
+                    out += _both("kernels.gemm_gather_tma:routed_swiglu_gather_tma_kernel",
                                  dict(base, route=route, align=1, save=save), args, meta, cfg, archs)
 
         # routed_grad_weight_tma_kernel (sm_90): expert-ordered dy / x through [BR, BN] / [BR, BK] descriptors, both
         # experts' dW stored through [BN, BK] descriptors.
         for cfg, archs in configs("routed_grad_weight_tma_kernel", fam):
             bn, bk, br = cfg["block"]
-            args = runtime_args("kernels.gemm:routed_grad_weight_tma_kernel", dt,
+            args = runtime_args("kernels.grad_weight:routed_grad_weight_tma_kernel", dt,
                                 {"dy_desc": f"{br}, {bn}", "x_desc": f"{br}, {bk}", "dw0_desc": f"{bn}, {bk}",
                                  "dw1_desc": f"{bn}, {bk}"})
             meta = _tile_meta(cfg, prec, _NKR)
-            out += _both("kernels.gemm:routed_grad_weight_tma_kernel", dict(base), args, meta, cfg, archs)
+            out += _both("kernels.grad_weight:routed_grad_weight_tma_kernel", dict(base), args, meta, cfg, archs)
 
         # routed_swiglu_tma_kernel (sm_90): expert-ordered x -> expert-ordered h (no fp32-ieee variant).
         for cfg, archs in configs("routed_swiglu_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = runtime_args("kernels.gemm:routed_swiglu_tma_kernel", dt,
+            args = runtime_args("kernels.gemm_tma:routed_swiglu_tma_kernel", dt,
                                 {"a_desc": f"{bm}, {bk}", "w1_desc": f"1, {bn}, {bk}", "w3_desc": f"1, {bn}, {bk}"})
             for save in (0, 1):
                 meta = _persistent_meta(cfg, prec, SCATTER_OUT=False, SAVE=save)
-                out += _both("kernels.gemm:routed_swiglu_tma_kernel", dict(base, scatter=0, save=save), args, meta,
+                out += _both("kernels.gemm_tma:routed_swiglu_tma_kernel", dict(base, scatter=0, save=save), args, meta,
                              cfg, archs)
 
         # routed_swiglu_pair_tma_kernel (sm_90): gate and up through one rank-4 descriptor [2, E, I, H], one MMA;
-        # the same tensor with half the columns per block for the split last round (kernels/gemm.py _split_tail).
+        # the same tensor with half the columns per block for the split last round (kernels/gemm_tiles.py _split_tail).
         for cfg, archs in configs("routed_swiglu_pair_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = runtime_args("kernels.gemm:routed_swiglu_pair_tma_kernel", dt,
+            args = runtime_args("kernels.gemm_tma:routed_swiglu_pair_tma_kernel", dt,
                                 {"a_desc": f"{bm}, {bk}", "w13_desc": f"2, 1, {bn}, {bk}",
                                  "w13h_desc": f"2, 1, {bn // 2}, {bk}"})
             for save in (0, 1):
-                out += _both("kernels.gemm:routed_swiglu_pair_tma_kernel", dict(base, save=save), args,
+                out += _both("kernels.gemm_tma:routed_swiglu_pair_tma_kernel", dict(base, save=save), args,
                              _persistent_meta(cfg, prec, SAVE=save), cfg, archs)
 
         # routed_swiglu_pair_bwd_tma_kernel (sm_90): its backward twin (the ffn backward's gate/up recompute with the
         # SwiGLU backward in the epilogue).
         for cfg, archs in configs("routed_swiglu_pair_bwd_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            args = runtime_args("kernels.gemm:routed_swiglu_pair_bwd_tma_kernel", dt,
+            args = runtime_args("kernels.gemm_tma:routed_swiglu_pair_bwd_tma_kernel", dt,
                                 {"a_desc": f"{bm}, {bk}", "w13_desc": f"2, 1, {bn}, {bk}"})
-            out += _both("kernels.gemm:routed_swiglu_pair_bwd_tma_kernel", dict(base), args,
+            out += _both("kernels.gemm_tma:routed_swiglu_pair_bwd_tma_kernel", dict(base), args,
                          _persistent_meta(cfg, prec), cfg, archs)
     return out
 

@@ -131,10 +131,9 @@ class Problem:
     """One shape of one op: inputs (rotated past the L2), a reference check and a timed call per config."""
 
     def __init__(self, op, kernel, m, n, k, routing="dual"):
-        from kernels import gemm
         from kernels.routing import route, route_single
         self.op, self.kernel, self.m, self.n, self.k = op, kernel, m, n, k
-        self.gemm, dt = gemm, DTYPE
+        dt = DTYPE
         self.tma = kernel.endswith("_tma_kernel")
         self.single = routing == "single"
         if self.single:  # what the ffn without a mask runs: every row expert 0, x read in place (no gather copy)
@@ -165,7 +164,8 @@ class Problem:
 
     def _gather(self, t):
         out = torch.empty(self.perm.shape[0], t.shape[1], device=DEV, dtype=t.dtype)
-        return self.gemm.launch_gather_rows(t, out, self.perm)
+        from kernels.gather_rows import launch_gather_rows
+        return launch_gather_rows(t, out, self.perm)
 
     def _prepare(self, tensors):
         """The operands as the production launcher hands them to this kernel (gathered for TMA, token order else; one
@@ -183,47 +183,50 @@ class Problem:
         fl = {"FLATTEN": bool(cfg.get("flatten"))} if self.tma and self.op != "grad_weight" else {}
         if self.op in ("linear", "linear_gather") and self.tma:
             fl["SPLIT_TAIL"] = bool(cfg.get("split"))
-        G = self.gemm
+        from kernels.gemm_gather_tma import launch_routed_linear_gather_tma, launch_routed_swiglu_gather_tma
+        from kernels.gemm_pointer import launch_routed_linear, launch_routed_swiglu
+        from kernels.gemm_tma import launch_routed_linear_tma, launch_routed_swiglu_pair_tma, launch_routed_swiglu_tma
+        from kernels.grad_weight import launch_routed_grad_weight, launch_routed_grad_weight_tma
         if self.op == "linear_gather":
-            G.launch_routed_linear_gather_tma(args[0], self.w, None, None, self.out, self.perm, self.seg, BM=bm_or_bn,
-                                              BN=b1, BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl,
-                                              num_stages=s)
+            launch_routed_linear_gather_tma(args[0], self.w, None, None, self.out, self.perm, self.seg, BM=bm_or_bn,
+                                            BN=b1, BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl,
+                                            num_stages=s)
             return self.out
         if self.op == "linear":
             out = self.out
             if self.tma:
-                G.launch_routed_linear_tma(args[1], self.w, None, None, out, self.perm, self.seg, BM=bm_or_bn, BN=b1,
-                                           BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s)
+                launch_routed_linear_tma(args[1], self.w, None, None, out, self.perm, self.seg, BM=bm_or_bn, BN=b1,
+                                         BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s)
             else:
-                G.launch_routed_linear(args[0], self.w[0], self.w[1], None, None, out, self.perm, self.seg, self.n,
-                                       self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w, num_stages=s)
+                launch_routed_linear(args[0], self.w[0], self.w[1], None, None, out, self.perm, self.seg, self.n,
+                                     self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w, num_stages=s)
             return out
         if self.op == "swiglu_gather":
-            G.launch_routed_swiglu_gather_tma(args[0], self.w1, self.w3, self.out, self.perm, self.seg, BM=bm_or_bn,
-                                              BN=b1, BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl,
-                                              num_stages=s)
+            launch_routed_swiglu_gather_tma(args[0], self.w1, self.w3, self.out, self.perm, self.seg, BM=bm_or_bn,
+                                            BN=b1, BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl,
+                                            num_stages=s)
             return self.out
         if self.op == "swiglu_pair":
-            G.launch_routed_swiglu_pair_tma(args[1], self.w13, self.out, self.perm, self.seg, BM=bm_or_bn, BN=b1,
-                                            BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s)
+            launch_routed_swiglu_pair_tma(args[1], self.w13, self.out, self.perm, self.seg, BM=bm_or_bn, BN=b1,
+                                          BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s)
             return self.out
         if self.op == "swiglu":
             h = self.out
             if self.tma:
-                G.launch_routed_swiglu_tma(args[1], self.w1, self.w3, h, self.perm, self.seg, BM=bm_or_bn, BN=b1,
-                                           BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s)
+                launch_routed_swiglu_tma(args[1], self.w1, self.w3, h, self.perm, self.seg, BM=bm_or_bn, BN=b1,
+                                         BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s)
             else:
-                G.launch_routed_swiglu(args[0], self.w1[0], self.w1[1], self.w3[0], self.w3[1], h, self.perm,
-                                       self.seg, self.n, self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w,
-                                       num_stages=s)
+                launch_routed_swiglu(args[0], self.w1[0], self.w1[1], self.w3[0], self.w3[1], h, self.perm,
+                                     self.seg, self.n, self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w,
+                                     num_stages=s)
             return h
         dw0, dw1 = self.out
         if self.tma:
-            G.launch_routed_grad_weight_tma(args[2], args[3], self.seg, dw0, dw1, BN=bm_or_bn, BK=b1, BR=b2,
-                                            GROUP_N=gm, num_warps=w, num_stages=s)
+            launch_routed_grad_weight_tma(args[2], args[3], self.seg, dw0, dw1, BN=bm_or_bn, BK=b1, BR=b2,
+                                          GROUP_N=gm, num_warps=w, num_stages=s)
         else:
-            G.launch_routed_grad_weight(args[0], args[1], self.perm, self.seg, dw0, dw1, BN=bm_or_bn, BK=b1, BR=b2,
-                                        GROUP_N=gm, num_warps=w, num_stages=s)
+            launch_routed_grad_weight(args[0], args[1], self.perm, self.seg, dw0, dw1, BN=bm_or_bn, BK=b1, BR=b2,
+                                      GROUP_N=gm, num_warps=w, num_stages=s)
         return dw0, dw1
 
     def error(self, cfg):

@@ -4,12 +4,12 @@ config-table change that is too close for aot.tune's one pass per config).
 
     python3 benchmarks/gemm_configs.py [--m 4096 --n 4096 --k 4096] [--rounds 25] [--reps 2]
 
-bf16, a 50% random mask, inputs rotated past L2 (three sets). The Triton JIT kernels of kernels/gemm.py (needs triton
-and a Hopper GPU for the TMA kernels; no extension build), each variant captured in a CUDA graph of nine calls and
-replayed; per round every variant runs once, in a random order drawn anew each round, so clock drift under
-sustained load (an H100 loses ~10% of its matrix rate as it heats) reaches all of them alike and no variant keeps the
-place in the round that favours it. Reports each variant's median time and its median per-round ratio to cuBLAS
-(`torch.matmul` on one expert's weight, all M rows). Variants:
+bf16, a 50% random mask, inputs rotated past L2 (three sets). The Triton JIT kernels of kernels/gemm_gather_tma.py and
+kernels/gemm_tma.py (needs triton and a Hopper GPU for the TMA kernels; no extension build), each variant captured in a
+CUDA graph of nine calls and replayed; per round every variant runs once, in a random order drawn anew each round, so
+clock drift under sustained load (an H100 loses ~10% of its matrix rate as it heats) reaches all of them alike and no
+variant keeps the place in the round that favours it. Reports each variant's median time and its median per-round ratio
+to cuBLAS (`torch.matmul` on one expert's weight, all M rows). Variants:
   gather[_f]    routed_linear_gather_tma_kernel (A rows gathered inside), routing kernel before it
   routed[_f]    the same kernel routing the mask itself (ROUTE_BLOCK, M <= 4096)
   tma_s3/s4[_f] routed_linear_tma_kernel on a pre-gathered expert-ordered A (the GEMM alone, without the gather copy)
@@ -81,7 +81,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gemm_configs: no CUDA device", file=sys.stderr)
         return 2
-    from kernels import gemm as G
+    from kernels.gather_rows import launch_gather_rows
+    from kernels.gemm_gather_tma import launch_routed_linear_gather_tma
+    from kernels.gemm_tma import launch_routed_linear_tma
     from kernels.routing import ONE_BLOCK, one_block_size, route
 
     M, N, K, dev = args.m, args.n, args.k, "cuda"
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
         mask = torch.rand(M, device=dev) < 0.5
         perm, seg = route(mask, align=128)
         xg = torch.empty(perm.shape[0], K, device=dev, dtype=torch.bfloat16)
-        G.launch_gather_rows(x, xg, perm)
+        launch_gather_rows(x, xg, perm)
         sets.append(dict(x=x, w=w, mask=mask, perm=perm, seg=seg, xg=xg,
                          out=torch.empty(M, N, device=dev, dtype=torch.bfloat16)))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -102,18 +104,18 @@ def main(argv=None) -> int:
     def gather(s, flat, route_here):
         def call():
             if route_here:
-                G.launch_routed_linear_gather_tma(s["x"], s["w"], None, None, s["out"], s["perm"], s["seg"],
-                                                  mask=s["mask"], route_block=one_block_size(M), align=128,
-                                                  num_stages=3, FLATTEN=flat, **tile)
+                launch_routed_linear_gather_tma(s["x"], s["w"], None, None, s["out"], s["perm"], s["seg"],
+                                                mask=s["mask"], route_block=one_block_size(M), align=128,
+                                                num_stages=3, FLATTEN=flat, **tile)
             else:
                 route(s["mask"], align=128, perm=s["perm"], seg=s["seg"])
-                G.launch_routed_linear_gather_tma(s["x"], s["w"], None, None, s["out"], s["perm"], s["seg"],
-                                                  num_stages=3, FLATTEN=flat, **tile)
+                launch_routed_linear_gather_tma(s["x"], s["w"], None, None, s["out"], s["perm"], s["seg"],
+                                                num_stages=3, FLATTEN=flat, **tile)
         return call
 
     def tma(s, stages, flat):
-        return lambda: G.launch_routed_linear_tma(s["xg"], s["w"], None, None, s["out"], s["perm"], s["seg"],
-                                                  num_stages=stages, FLATTEN=flat, **tile)
+        return lambda: launch_routed_linear_tma(s["xg"], s["w"], None, None, s["out"], s["perm"], s["seg"],
+                                                num_stages=stages, FLATTEN=flat, **tile)
 
     makers = {"cuBLAS": lambda s: (lambda: torch.matmul(s["x"], s["w"][0].T, out=s["out"])),
               "gather": lambda s: gather(s, False, False), "gather_f": lambda s: gather(s, True, False)}

@@ -166,7 +166,7 @@ def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_p
 @triton.jit
 def route_one_block(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     """Both routing steps in one program for M <= BLOCK: routing_one_block_kernel's body, also run at the start of
-    the GEMMs that route for themselves (kernels/gemm.py, ROUTE_BLOCK)."""
+    the GEMMs that route for themselves (kernels/gemm_gather_tma.py, ROUTE_BLOCK)."""
     offs = tl.arange(0, BLOCK)
     valid = offs < M
     m = tl.load(mask_ptr + offs, mask=valid, other=0)

@@ -21,7 +21,7 @@ from kernels.pdl import grid_dependency_sync
 @triton.jit
 def swiglu_grads(g, u, d):
     """(h, d_up, d_gate) in fp32 from fp32 gate g, up u and dh d (the formulas above); also the epilogue of the fused
-    gate/up recompute, kernels/gemm.py routed_swiglu_pair_bwd_tma_kernel."""
+    gate/up recompute, kernels/gemm_tma.py routed_swiglu_pair_bwd_tma_kernel."""
     s = tl.sigmoid(g)
     act = g * s
     return act * u, d * act, d * u * (s + act * (1.0 - s))

@@ -17,7 +17,7 @@ def sync(device):
 
 def split_counts(kernel, M, cc, sms):
     """(c0, c1, N) for the persistent routed GEMM `kernel` at M rows, whose table config there has "split", such that
-    its last partial round is split in column halves (kernels/gemm.py _split_tail): both experts' last row tiles
+    its last partial round is split in column halves (kernels/gemm_tiles.py _split_tail): both experts' last row tiles
     partial (c0 + c1 = M rows), and N (its last column tile partial, a multiple of 32) such that the tile count T
     exceeds the SM count and leaves 0 < 2 (T mod SMs) <= SMs. None where the kernel does not serve M (not sm_90, or
     an "off" bucket)."""

@@ -535,7 +535,7 @@ def test_realistic_bf16(gpu_device, mask_kind):
 @pytest.mark.gpu
 def test_gate_up_split_last_round(gpu_device):
     """The paired gate/up GEMM (sm_90) computes a last round that fills at most half the SMs in column halves, after
-    its whole rounds (kernels/gemm.py _split_tail). Expert counts chosen for this GPU's SM count so that the tile
+    its whole rounds (kernels/gemm_tiles.py _split_tail). Expert counts chosen for this GPU's SM count so that the tile
     count T is above the SM count and leaves 0 < 2 (T mod SMs) <= SMs, both experts with a partial last row tile,
     the tokens shuffled; I = 2816 is 22 column tiles. bf16 forward and every gradient against float64, NaN-poisoned
     allocator."""
@@ -573,7 +573,7 @@ def check_shuffled_counts(device, c0, c1, H, I, seed):  # noqa: E741
 @pytest.mark.parametrize("M", [1000, 2000])
 def test_down_split_last_round(gpu_device, M):
     """The down projection (routed_linear_tma_kernel, scattered rows of the unaligned routing) computes a last round
-    that fills at most half the SMs in column halves (kernels/gemm.py _split_tail): expert counts and H chosen for
+    that fills at most half the SMs in column halves (kernels/gemm_tiles.py _split_tail): expert counts and H chosen for
     this GPU's SM count and the table's config at M, the tokens shuffled. bf16 forward and every gradient against
     float64, NaN-poisoned allocator."""
     major, minor = torch.cuda.get_device_capability(gpu_device)

@@ -15,7 +15,14 @@ import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kernels import gemm  # noqa: E402
+from kernels.gather_rows import (GATHER_ROWS, launch_expert_colsum, launch_gather_rows,  # noqa: E402
+                                 launch_route_gather_rows)
+from kernels.gemm_gather_tma import launch_routed_linear_gather_tma, launch_routed_swiglu_gather_tma  # noqa: E402
+from kernels.gemm_pointer import launch_routed_linear, launch_routed_swiglu  # noqa: E402
+from kernels.gemm_tiles import _expert_tile_mn  # noqa: E402
+from kernels.gemm_tma import (launch_routed_linear_tma, launch_routed_swiglu_pair_bwd_tma,  # noqa: E402
+                              launch_routed_swiglu_pair_tma, launch_routed_swiglu_tma)
+from kernels.grad_weight import launch_routed_grad_weight, launch_routed_grad_weight_tma  # noqa: E402
 from kernels.routing import one_block_size, padded_rows, route, route_single  # noqa: E402
 
 ALIGN = 16
@@ -56,20 +63,20 @@ def rel_err(out, ref):
 
 
 def gathered(x, perm, rows):
-    """x's rows in expert order, [rows, C]: gemm.launch_gather_rows through perm (small test blocks) into a
+    """x's rows in expert order, [rows, C]: launch_gather_rows through perm (small test blocks) into a
     NaN-poisoned buffer, which the gather writes row by row (zeros where perm < 0)."""
     xg = torch.full((rows, x.shape[1]), float("nan"), dtype=x.dtype)
-    return gemm.launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
+    return launch_gather_rows(x, xg, perm, BLOCK_R=16, BLOCK_C=32)
 
 
 def routed_by_gather(mask, x):
-    """gemm.launch_route_gather_rows of x [M, C] into poisoned outputs (perm and seg 7, the gathered rows NaN), every
+    """launch_route_gather_rows of x [M, C] into poisoned outputs (perm and seg 7, the gathered rows NaN), every
     entry of which the kernel must write: (xg [M, C], perm, seg). Row blocks of 16, column blocks of 32."""
     M = mask.shape[0]
     perm = torch.full((padded_rows(M, 1), ), 7, dtype=torch.int32)
     seg = torch.full((5, ), 7, dtype=torch.int32)
     xg = torch.full((M, x.shape[1]), float("nan"), dtype=x.dtype)
-    gemm.launch_route_gather_rows(mask, x, xg, perm, seg, BLOCK_R=16, BLOCK_C=32)
+    launch_route_gather_rows(mask, x, xg, perm, seg, BLOCK_R=16, BLOCK_C=32)
     return xg, perm, seg
 
 
@@ -179,7 +186,7 @@ def test_linear_ptr(dtype, kind, bias):
     b1 = rnd(gen, N, dtype=dtype) if bias else None
     perm, seg = route(mask, align=ALIGN)
     out = torch.full((M, N), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear(x, w0, w1, b0, b1, out, perm, seg, N, K, input_precision=prec(dtype), **T)
+    launch_routed_linear(x, w0, w1, b0, b1, out, perm, seg, N, K, input_precision=prec(dtype), **T)
     assert rel_err(out, ref_linear(x, w0, w1, b0, b1, mask)) < TOL[dtype]
 
 
@@ -192,7 +199,7 @@ def test_linear_ptr_tf32_and_shapes():
     b0, b1 = rnd(gen, N), rnd(gen, N)
     perm, seg = route(mask, align=32)
     out = torch.full((M, N), float("nan"))
-    gemm.launch_routed_linear(x, w0, w1, b0, b1, out, perm, seg, N, K, input_precision="tf32", GROUP_M=2, **T)
+    launch_routed_linear(x, w0, w1, b0, b1, out, perm, seg, N, K, input_precision="tf32", GROUP_M=2, **T)
     assert rel_err(out, ref_linear(x, w0, w1, b0, b1, mask)) < 2e-3
 
 
@@ -205,7 +212,7 @@ def test_linear_ptr_m0():
     b0, b1 = rnd(gen, N), rnd(gen, N)
     perm, seg = route(mask, align=ALIGN)
     out = torch.empty(0, N)
-    gemm.launch_routed_linear(x, w0, w1, b0, b1, out, perm, seg, N, K, **T)
+    launch_routed_linear(x, w0, w1, b0, b1, out, perm, seg, N, K, **T)
 
 
 # ---------------------------------------------------------------------- grad-input (W not transposed)
@@ -219,8 +226,8 @@ def test_grad_input_ptr(dtype, kind):
     w0, w1 = rnd(gen, N, K, dtype=dtype), rnd(gen, N, K, dtype=dtype)
     perm, seg = route(mask, align=ALIGN)
     dx = torch.full((M, K), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear(dy, w0, w1, None, None, dx, perm, seg, K, N, w_transposed=True,
-                              input_precision=prec(dtype), **T)
+    launch_routed_linear(dy, w0, w1, None, None, dx, perm, seg, K, N, w_transposed=True,
+                         input_precision=prec(dtype), **T)
     dyd = dy.double()
     ref = torch.where(mask[:, None], dyd @ w1.double(), dyd @ w0.double())
     assert rel_err(dx, ref) < TOL[dtype]
@@ -239,11 +246,11 @@ def test_swiglu_ptr(dtype, kind):
     ref = ref_swiglu_h(x, ws[0], ws[1], ws[2], ws[3], mask)
     # original-order output
     h = torch.full((M, I), float("nan"), dtype=dtype)
-    gemm.launch_routed_swiglu(x, *ws, h, perm, seg, I, K, scatter_out=True, input_precision=prec(dtype), **T)
+    launch_routed_swiglu(x, *ws, h, perm, seg, I, K, scatter_out=True, input_precision=prec(dtype), **T)
     assert rel_err(h, ref) < TOL[dtype]
     # expert-ordered padded output: rows [0, seg[2]) written, padding rows are zero
     hp = torch.full((perm.shape[0], I), float("nan"), dtype=dtype)
-    gemm.launch_routed_swiglu(x, *ws, hp, perm, seg, I, K, scatter_out=False, input_precision=prec(dtype), **T)
+    launch_routed_swiglu(x, *ws, hp, perm, seg, I, K, scatter_out=False, input_precision=prec(dtype), **T)
     valid = perm >= 0
     assert rel_err(hp[valid], ref[perm[valid].long()]) < TOL[dtype]
     end = int(seg[2])
@@ -265,7 +272,7 @@ def test_linear_tma(dtype, kind):
     assert torch.isfinite(xg).all()
     out = torch.full((M, N), float("nan"), dtype=dtype)
     # 3 persistent programs over 8 tiles
-    gemm.launch_routed_linear_tma(xg, w, b0, b1, out, perm, seg, input_precision=prec(dtype), num_programs=3, **T)
+    launch_routed_linear_tma(xg, w, b0, b1, out, perm, seg, input_precision=prec(dtype), num_programs=3, **T)
     assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < TOL[dtype]
 
 
@@ -278,10 +285,10 @@ def test_grad_input_tma(dtype):
     w = rnd(gen, 2, N, K, dtype=dtype)
     perm, seg = route(mask, align=ALIGN)
     dyg = torch.empty(perm.shape[0], N, dtype=dtype)
-    gemm.launch_gather_rows(dy, dyg, perm, BLOCK_R=16, BLOCK_C=32)
+    launch_gather_rows(dy, dyg, perm, BLOCK_R=16, BLOCK_C=32)
     dx = torch.full((M, K), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear_tma(dyg, w, None, None, dx, perm, seg, w_transposed=True, input_precision="ieee",
-                                  num_programs=5, **T)
+    launch_routed_linear_tma(dyg, w, None, None, dx, perm, seg, w_transposed=True, input_precision="ieee",
+                             num_programs=5, **T)
     dyd = dy.double()
     ref = torch.where(mask[:, None], dyd @ w[1].double(), dyd @ w[0].double())
     assert rel_err(dx, ref) < TOL[dtype]
@@ -301,9 +308,9 @@ def test_ffn_tma(dtype, kind):
     M_pad = perm.shape[0]
     xg = gathered(x, perm, M_pad)
     h = torch.zeros(M_pad, I, dtype=dtype)  # rows >= seg[2] are never written (left zero here)
-    gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision=prec(dtype), num_programs=4, **T)
+    launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision=prec(dtype), num_programs=4, **T)
     out = torch.full((M, H), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear_tma(h, w2, None, None, out, perm, seg, input_precision=prec(dtype), **T)
+    launch_routed_linear_tma(h, w2, None, None, out, perm, seg, input_precision=prec(dtype), **T)
     hr = ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)
     ref = torch.where(mask[:, None], hr @ w2[1].double().T, hr @ w2[0].double().T)
     assert rel_err(out, ref) < 3 * TOL[dtype]
@@ -324,18 +331,18 @@ def test_tma_row_tiles(kind):
     perm, seg = route(mask, align=64)
     xg = gathered(x, perm, perm.shape[0])
     out = torch.full((M, N), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear_tma(xg, w, None, None, out, perm, seg, input_precision="ieee", num_programs=3, **T)
+    launch_routed_linear_tma(xg, w, None, None, out, perm, seg, input_precision="ieee", num_programs=3, **T)
     assert rel_err(out, ref_linear(x, w[0], w[1], None, None, mask)) < TOL[dtype]
     ordered = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear_tma(xg, w, None, None, ordered, perm, seg, scatter_out=False, input_precision="ieee",
-                                  num_programs=3, **T)
+    launch_routed_linear_tma(xg, w, None, None, ordered, perm, seg, scatter_out=False, input_precision="ieee",
+                             num_programs=3, **T)
     start1, end, c0, c1 = (int(v) for v in seg[1:])
     valid = perm >= 0
     assert rel_err(ordered[valid], ref_linear(x, w[0], w[1], None, None, mask)[perm[valid].long()]) < TOL[dtype]
     assert (ordered[:end][~valid[:end]] == 0).all() and torch.isnan(ordered[end:]).all()
     w1, w3 = rnd(gen, 2, N, K, dtype=dtype), rnd(gen, 2, N, K, dtype=dtype)
     h = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
-    gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
+    launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
     assert rel_err(h[valid], ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[valid].long()]) < TOL[dtype]
     assert torch.isfinite(h[valid]).all() and torch.isnan(h[~valid]).all()
 
@@ -343,7 +350,7 @@ def test_tma_row_tiles(kind):
 @triton.jit
 def _tile_order_kernel(out_ptr, t0, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     tile = tl.program_id(0)
-    pid_m, pid_n = gemm._expert_tile_mn(tile, t0, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = _expert_tile_mn(tile, t0, num_pid_m, num_pid_n, GROUP_M)
     tl.store(out_ptr + 2 * tile, pid_m)
     tl.store(out_ptr + 2 * tile + 1, pid_n)
 
@@ -391,8 +398,8 @@ def test_grouped_tile_order_many_row_tiles(kind):
     assert any(r > 4 and r % 4 for r in row_tiles), row_tiles  # some expert's last group takes leftovers
     xg = gathered(x, perm, M)
     out = torch.full((M, N), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear_tma(xg, w, None, None, out, perm, seg, input_precision="ieee", num_programs=5,
-                                  BM=16, BN=16, BK=16, GROUP_M=4)
+    launch_routed_linear_tma(xg, w, None, None, out, perm, seg, input_precision="ieee", num_programs=5,
+                             BM=16, BN=16, BK=16, GROUP_M=4)
     assert rel_err(out, ref_linear(x, w[0], w[1], None, None, mask)) < TOL[dtype]
 
 
@@ -418,23 +425,23 @@ def test_unaligned_ffn_forward(kind, gate_up):
     h = torch.full((M, I), float("nan"), dtype=dtype)
     if gate_up == "pair_routed_by_gather":
         assert torch.isfinite(xg).all()
-        gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
-                                           num_programs=3, **T)
+        launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
+                                      num_programs=3, **T)
     elif gate_up == "gather":  # x in token order, its rows gathered inside the GEMM
-        gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
+        launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
     else:
         xg = gathered(x, perm, M)
         assert torch.isfinite(xg).all()
         if gate_up == "pair":
-            gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
-                                               num_programs=3, **T)
+            launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
+                                          num_programs=3, **T)
         else:
-            gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
+            launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision="ieee", num_programs=3, **T)
     href = ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)
     assert torch.isfinite(h).all(), "a row of h was not written"
     assert rel_err(h, href[perm[:M].long()]) < TOL[dtype]
     out = torch.full((M, N), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear_tma(h, w2, None, None, out, perm, seg, input_precision="ieee", num_programs=3, **T)
+    launch_routed_linear_tma(h, w2, None, None, out, perm, seg, input_precision="ieee", num_programs=3, **T)
     ref = torch.where(mask[:, None], href @ w2[1].double().T, href @ w2[0].double().T)
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -452,8 +459,8 @@ def test_swiglu_pair_tma(dtype, up_first):
     xg = gathered(x, perm, perm.shape[0])
     w13 = torch.stack([w3, w1] if up_first else [w1, w3])
     h = torch.full((perm.shape[0], I), float("nan"), dtype=dtype)
-    gemm.launch_routed_swiglu_pair_tma(xg, w13, h, perm, seg, up_first=up_first, input_precision=prec(dtype),
-                                       num_programs=3, **T)
+    launch_routed_swiglu_pair_tma(xg, w13, h, perm, seg, up_first=up_first, input_precision=prec(dtype),
+                                  num_programs=3, **T)
     valid = perm >= 0
     assert rel_err(h[valid], ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[valid].long()]) < 3 * TOL[dtype]
 
@@ -461,9 +468,9 @@ def test_swiglu_pair_tma(dtype, up_first):
 @pytest.mark.parametrize("programs, split", [(6, True), (4, True), (3, False), (5, False)])
 def test_swiglu_pair_split_last_round(programs, split):
     """The paired gate/up GEMM splits a last round of r tiles in 2r column halves when 2r <= programs
-    (gemm._split_tail). Rows of both experts on an unaligned routing, I = 40 with BN = 16: the last column tile's
-    second half lies wholly past I (its loads are zero-filled, its stores masked). Every row of h written, against
-    float64."""
+    (kernels/gemm_tiles.py _split_tail). Rows of both experts on an unaligned routing, I = 40 with BN = 16: the last
+    column tile's second half lies wholly past I (its loads are zero-filled, its stores masked). Every row of h
+    written, against float64."""
     M, H, I = 45, 40, 40  # noqa: E741
     dtype = torch.float32
     gen = torch.Generator().manual_seed(41)
@@ -477,8 +484,8 @@ def test_swiglu_pair_split_last_round(programs, split):
     assert (0 < 2 * tail <= programs) == split, (counts, tiles, programs)  # the case this parameter is meant to hit
     xg = gathered(x, perm, M)
     h = torch.full((M, I), float("nan"), dtype=dtype)
-    gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
-                                       num_programs=programs, **T)
+    launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision="ieee",
+                                  num_programs=programs, **T)
     assert torch.isfinite(h).all(), "a row of h was not written"
     assert rel_err(h, ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)[perm[:M].long()]) < TOL[dtype]
 
@@ -505,8 +512,8 @@ def test_swiglu_pair_bwd_tma(kind, up_first):
     dh[end:] = float("nan")
     h, dup = (torch.full((M_pad, I), float("nan"), dtype=dtype) for _ in range(2))
     dgate = dh.clone()
-    gemm.launch_routed_swiglu_pair_bwd_tma(xg, torch.stack([w3, w1] if up_first else [w1, w3]), h, dup, dgate, seg,
-                                           up_first=up_first, input_precision="ieee", num_programs=3, **T)
+    launch_routed_swiglu_pair_bwd_tma(xg, torch.stack([w3, w1] if up_first else [w1, w3]), h, dup, dgate, seg,
+                                      up_first=up_first, input_precision="ieee", num_programs=3, **T)
     want = dict(zip(("h", "dup", "dgate"), ref_swiglu_grads(*ref_gate_up(x, w1, w3, mask), dh_tok.double())))
     for name, got in (("h", h), ("dup", dup), ("dgate", dgate)):
         assert rel_err(got[valid], want[name][perm[valid].long()]) < TOL[dtype], name
@@ -543,25 +550,25 @@ def test_weight_orders_tma(order):
     def run(ws, m):  # every kernel once, outputs poisoned
         outs = {}
         out = torch.full((M, I), float("nan"), dtype=dtype)
-        outs["linear"] = gemm.launch_routed_linear_tma(xg, ws["w"], b0, b1, out, perm, seg, w_map=m, **kw)
+        outs["linear"] = launch_routed_linear_tma(xg, ws["w"], b0, b1, out, perm, seg, w_map=m, **kw)
         out = torch.full((M, H), float("nan"), dtype=dtype)
-        outs["grad_input"] = gemm.launch_routed_linear_tma(gathered(rnd(torch.Generator().manual_seed(55), M, I, dtype=dtype), perm, M_pad), ws["w"], None,
-                                                           None, out, perm, seg, w_transposed=True, w_map=m, **kw)
+        outs["grad_input"] = launch_routed_linear_tma(gathered(rnd(torch.Generator().manual_seed(55), M, I, dtype=dtype), perm, M_pad), ws["w"], None,
+                                                      None, out, perm, seg, w_transposed=True, w_map=m, **kw)
         out = torch.full((M, I), float("nan"), dtype=dtype)
-        outs["linear_gather"] = gemm.launch_routed_linear_gather_tma(x, ws["w"], b0, b1, out, perm.clone(),
-                                                                     seg.clone(), w_map=m, **kw)
+        outs["linear_gather"] = launch_routed_linear_gather_tma(x, ws["w"], b0, b1, out, perm.clone(),
+                                                                seg.clone(), w_map=m, **kw)
         two = m | m << 2
         h = torch.zeros(M_pad, I, dtype=dtype)
-        outs["swiglu"] = gemm.launch_routed_swiglu_tma(xg, ws["w1"], ws["w3"], h, perm, seg, w_map=two, **kw)
+        outs["swiglu"] = launch_routed_swiglu_tma(xg, ws["w1"], ws["w3"], h, perm, seg, w_map=two, **kw)
         h = torch.zeros(M_pad, I, dtype=dtype)
-        outs["swiglu_gather"] = gemm.launch_routed_swiglu_gather_tma(x, ws["w1"], ws["w3"], h, perm.clone(),
-                                                                     seg.clone(), w_map=two, **kw)
+        outs["swiglu_gather"] = launch_routed_swiglu_gather_tma(x, ws["w1"], ws["w3"], h, perm.clone(),
+                                                                seg.clone(), w_map=two, **kw)
         h = torch.zeros(M_pad, I, dtype=dtype)
-        outs["pair"] = gemm.launch_routed_swiglu_pair_tma(xg, pair(ws), h, perm, seg, w_map=m, **kw)
+        outs["pair"] = launch_routed_swiglu_pair_tma(xg, pair(ws), h, perm, seg, w_map=m, **kw)
         h, dup = torch.zeros(M_pad, I, dtype=dtype), torch.zeros(M_pad, I, dtype=dtype)
         dgate = gathered(rnd(torch.Generator().manual_seed(54), M, I, dtype=dtype), perm, M_pad)
-        outs["pair_bwd"] = torch.cat(gemm.launch_routed_swiglu_pair_bwd_tma(xg, pair(ws), h, dup, dgate, seg,
-                                                                            w_map=m, **kw))
+        outs["pair_bwd"] = torch.cat(launch_routed_swiglu_pair_bwd_tma(xg, pair(ws), h, dup, dgate, seg,
+                                                                       w_map=m, **kw))
         return outs
 
     want, got = run(w, 2), run(laid, w_map)
@@ -585,16 +592,16 @@ def test_single_expert_without_routing(M, gate_up):
     h_all = torch.full((M + 16, I), float("nan"), dtype=dtype)
     h = h_all[:M]
     if gate_up == "pair":
-        gemm.launch_routed_swiglu_pair_tma(x, torch.stack([w1, w3]), h, None, None, input_precision="ieee",
-                                           num_programs=3, one_rows=M, **T)
+        launch_routed_swiglu_pair_tma(x, torch.stack([w1, w3]), h, None, None, input_precision="ieee",
+                                      num_programs=3, one_rows=M, **T)
     else:
-        gemm.launch_routed_swiglu_tma(x, w1, w3, h, None, None, input_precision="ieee", num_programs=3, one_rows=M,
-                                      **T)
+        launch_routed_swiglu_tma(x, w1, w3, h, None, None, input_precision="ieee", num_programs=3, one_rows=M,
+                                 **T)
     href = ref_swiglu_h(x, w1[0], w1[0], w3[0], w3[0], torch.zeros(M, dtype=torch.bool))
     assert rel_err(h, href) < TOL[dtype] and torch.isnan(h_all[M:]).all()
     out_all = torch.full((M + 16, N), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear_tma(h, w2, None, None, out_all[:M], None, None, scatter_out=False,
-                                  input_precision="ieee", num_programs=3, one_rows=M, **T)
+    launch_routed_linear_tma(h, w2, None, None, out_all[:M], None, None, scatter_out=False,
+                             input_precision="ieee", num_programs=3, one_rows=M, **T)
     assert rel_err(out_all[:M], href @ w2[0].double().T) < TOL[dtype] and torch.isnan(out_all[M:]).all()
 
 
@@ -606,7 +613,7 @@ def test_tma_m0():
     xg = gathered(x, perm, perm.shape[0])
     assert (xg == 0).all()
     out = torch.empty(0, N)
-    gemm.launch_routed_linear_tma(xg, rnd(gen, 2, N, K), None, None, out, perm, seg, **T)
+    launch_routed_linear_tma(xg, rnd(gen, 2, N, K), None, None, out, perm, seg, **T)
 
 
 # ------------------------------------------------------------------------------------- grad-weight
@@ -625,14 +632,14 @@ def test_grad_weight(dtype, kind, gather):
     else:
         dy_in = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
         x_in = torch.full((perm.shape[0], K), float("nan"), dtype=dtype)
-        gemm.launch_gather_rows(dy, dy_in, perm, BLOCK_R=16, BLOCK_C=32)
-        gemm.launch_gather_rows(x, x_in, perm, BLOCK_R=16, BLOCK_C=32)
+        launch_gather_rows(dy, dy_in, perm, BLOCK_R=16, BLOCK_C=32)
+        launch_gather_rows(x, x_in, perm, BLOCK_R=16, BLOCK_C=32)
     dw0 = torch.full((N, K), float("nan"))
     dw1 = torch.full((N, K), float("nan"))
     db0 = torch.full((N, ), float("nan"))
     db1 = torch.full((N, ), float("nan"))
-    gemm.launch_routed_grad_weight(dy_in, x_in, perm, seg, dw0, dw1, db0, db1, gather=gather,
-                                   input_precision=prec(dtype), BN=16, BK=16, BR=16)
+    launch_routed_grad_weight(dy_in, x_in, perm, seg, dw0, dw1, db0, db1, gather=gather,
+                              input_precision=prec(dtype), BN=16, BK=16, BR=16)
     xd, dyd = x.double(), dy.double()
     m1 = mask.double()[:, None]
     ref1 = (dyd * m1).T @ xd
@@ -652,8 +659,8 @@ def test_grad_weight_accumulate():
     perm, seg = route(mask, align=ALIGN)
     dw0, dw1 = rnd(gen, N, K), rnd(gen, N, K)
     base0, base1 = dw0.double().clone(), dw1.double().clone()
-    gemm.launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, accumulate=True, input_precision="ieee",
-                                   BN=16, BK=16, BR=16)
+    launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, accumulate=True, input_precision="ieee",
+                              BN=16, BK=16, BR=16)
     m1 = mask.double()[:, None]
     assert rel_err(dw1, base1 + (dy.double() * m1).T @ x.double()) < 1e-5
     assert rel_err(dw0, base0 + (dy.double() * (1 - m1)).T @ x.double()) < 1e-5
@@ -674,13 +681,13 @@ def test_grad_weight_one_expert(tma, expert):
     if tma:
         dy_pad = torch.full((perm.shape[0], N), float("nan"))
         x_pad = torch.full((perm.shape[0], K), float("nan"))
-        gemm.launch_gather_rows(dy, dy_pad, perm, BLOCK_R=16, BLOCK_C=32)
-        gemm.launch_gather_rows(x, x_pad, perm, BLOCK_R=16, BLOCK_C=32)
-        gemm.launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw[0], dw[1], input_precision="ieee", BN=16, BK=16,
-                                           BR=16, experts=(expert, ))
+        launch_gather_rows(dy, dy_pad, perm, BLOCK_R=16, BLOCK_C=32)
+        launch_gather_rows(x, x_pad, perm, BLOCK_R=16, BLOCK_C=32)
+        launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw[0], dw[1], input_precision="ieee", BN=16, BK=16,
+                                      BR=16, experts=(expert, ))
     else:
-        gemm.launch_routed_grad_weight(dy, x, perm, seg, dw[0], dw[1], db[0], db[1], input_precision="ieee", BN=16,
-                                       BK=16, BR=16, experts=(expert, ))
+        launch_routed_grad_weight(dy, x, perm, seg, dw[0], dw[1], db[0], db[1], input_precision="ieee", BN=16,
+                                  BK=16, BR=16, experts=(expert, ))
     sel = (mask if expert == 1 else ~mask).double()[:, None]
     assert rel_err(dw[expert], (dy.double() * sel).T @ x.double()) < 1e-5
     assert torch.isnan(dw[1 - expert]).all()
@@ -701,10 +708,10 @@ def test_grad_weight_tma(dtype, kind):
     perm, seg = route(mask, align=ALIGN)
     dy_pad = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
     x_pad = torch.full((perm.shape[0], K), float("nan"), dtype=dtype)
-    gemm.launch_gather_rows(dy, dy_pad, perm, BLOCK_R=16, BLOCK_C=32)
-    gemm.launch_gather_rows(x, x_pad, perm, BLOCK_R=16, BLOCK_C=32)
+    launch_gather_rows(dy, dy_pad, perm, BLOCK_R=16, BLOCK_C=32)
+    launch_gather_rows(x, x_pad, perm, BLOCK_R=16, BLOCK_C=32)
     dw0, dw1 = (torch.full((N, K), float("nan"), dtype=dtype) for _ in range(2))
-    gemm.launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, input_precision=prec(dtype), BN=16, BK=16, BR=16)
+    launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, input_precision=prec(dtype), BN=16, BK=16, BR=16)
     xd, dyd = x.double(), dy.double()
     m1 = mask.double()[:, None]
     for out, ref in ((dw0, (dyd * (1 - m1)).T @ xd), (dw1, (dyd * m1).T @ xd)):
@@ -726,14 +733,14 @@ def test_gather_rows_colsum(dtype, kind):
     dy = rnd(gen, M, N, dtype=dtype)
     perm, seg = route(mask, align=ALIGN)
     plain = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
-    gemm.launch_gather_rows(dy, plain, perm, BLOCK_R=16, BLOCK_C=32)
+    launch_gather_rows(dy, plain, perm, BLOCK_R=16, BLOCK_C=32)
     got = torch.full_like(plain, float("nan"))
     colsum = torch.full(((perm.shape[0] + 15) // 16, N), float("nan"))
-    gemm.launch_gather_rows(dy, got, perm, BLOCK_R=16, BLOCK_C=32, colsum=colsum)
+    launch_gather_rows(dy, got, perm, BLOCK_R=16, BLOCK_C=32, colsum=colsum)
     assert torch.equal(got, plain)
     assert colsum.shape[0] > 4
     sums = [torch.full((N,), float("nan"), dtype=dtype) for _ in range(2)]
-    gemm.launch_expert_colsum(colsum, seg, *sums, ROWS_PER_BLOCK=16, BLOCK_B=4, BLOCK_C=16)
+    launch_expert_colsum(colsum, seg, *sums, ROWS_PER_BLOCK=16, BLOCK_B=4, BLOCK_C=16)
     m1 = mask.double()[:, None]
     for out, ref in ((sums[0], (dy.double() * (1 - m1)).sum(0)), (sums[1], (dy.double() * m1).sum(0))):
         if ref.norm() == 0:
@@ -751,13 +758,13 @@ def test_gather_rows_colsum_shipped_block():
     perm, _ = route(make_mask("random", M, gen), align=128)
     ref = torch.where((perm >= 0)[:, None], x[perm.clamp(min=0).long()], torch.zeros(()))
     plain = torch.full((perm.shape[0], C), float("nan"))
-    gemm.launch_gather_rows(x, plain, perm)
+    launch_gather_rows(x, plain, perm)
     assert torch.equal(plain, ref)
     got = torch.full_like(plain, float("nan"))
-    colsum = torch.full((perm.shape[0] // gemm.GATHER_ROWS, C), float("nan"))
-    gemm.launch_gather_rows(x, got, perm, colsum=colsum)
+    colsum = torch.full((perm.shape[0] // GATHER_ROWS, C), float("nan"))
+    launch_gather_rows(x, got, perm, colsum=colsum)
     assert torch.equal(got, ref)
-    assert rel_err(colsum, ref.double().view(-1, gemm.GATHER_ROWS, C).sum(1)) < 1e-6
+    assert rel_err(colsum, ref.double().view(-1, GATHER_ROWS, C).sum(1)) < 1e-6
 
 
 # ------------------------------------------------------------------------- every shipped config (aot/configs/*.json)
@@ -794,7 +801,7 @@ def test_shipped_config(kernel, fam, block, group, split):
     M_pad = perm.shape[0]
     x = rnd(gen, M, K, dtype=dtype)
     xg = torch.empty(M_pad, K, dtype=dtype)
-    gemm.launch_gather_rows(x, xg, perm)
+    launch_gather_rows(x, xg, perm)
     m1 = mask.double()[:, None]
     if kernel in ("routed_linear_kernel", "routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"):
         bm, bn, bk = block
@@ -802,16 +809,16 @@ def test_shipped_config(kernel, fam, block, group, split):
         b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
         out = torch.full((M, N), float("nan"), dtype=dtype)
         if kernel == "routed_linear_kernel":
-            gemm.launch_routed_linear(x, w[0], w[1], b0, b1, out, perm, seg, N, K, input_precision=p, BM=bm, BN=bn,
-                                      BK=bk, GROUP_M=group)
+            launch_routed_linear(x, w[0], w[1], b0, b1, out, perm, seg, N, K, input_precision=p, BM=bm, BN=bn,
+                                 BK=bk, GROUP_M=group)
         elif kernel == "routed_linear_tma_kernel":
-            gemm.launch_routed_linear_tma(xg, w, b0, b1, out, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
-                                          GROUP_M=group, num_programs=5, SPLIT_TAIL=split)
+            launch_routed_linear_tma(xg, w, b0, b1, out, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
+                                     GROUP_M=group, num_programs=5, SPLIT_TAIL=split)
         else:  # routing the mask itself, as the launcher does for m <= ONE_BLOCK
             perm_k, seg_k, want = routed_here(mask, 128)
-            gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm_k, seg_k, mask=mask,
-                                                 route_block=one_block_size(M), input_precision=p, BM=bm, BN=bn,
-                                                 BK=bk, GROUP_M=group, num_programs=5, SPLIT_TAIL=split)
+            launch_routed_linear_gather_tma(x, w, b0, b1, out, perm_k, seg_k, mask=mask,
+                                            route_block=one_block_size(M), input_precision=p, BM=bm, BN=bn,
+                                            BK=bk, GROUP_M=group, num_programs=5, SPLIT_TAIL=split)
             assert torch.equal(perm_k, want[0]) and torch.equal(seg_k, want[1])
         assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < tol
     elif kernel.startswith("routed_swiglu"):
@@ -819,30 +826,30 @@ def test_shipped_config(kernel, fam, block, group, split):
         w1, w3 = rnd(gen, 2, N, K, dtype=dtype), rnd(gen, 2, N, K, dtype=dtype)
         h = torch.full((M_pad, N), float("nan"), dtype=dtype)
         if kernel == "routed_swiglu_kernel":
-            gemm.launch_routed_swiglu(x, w1[0], w1[1], w3[0], w3[1], h, perm, seg, N, K, input_precision=p, BM=bm,
-                                      BN=bn, BK=bk, GROUP_M=group)
+            launch_routed_swiglu(x, w1[0], w1[1], w3[0], w3[1], h, perm, seg, N, K, input_precision=p, BM=bm,
+                                 BN=bn, BK=bk, GROUP_M=group)
         elif kernel == "routed_swiglu_gather_tma_kernel":
             perm_k, seg_k, _ = routed_here(mask, 128)
-            gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm_k, seg_k, mask=mask, route_block=one_block_size(M),
-                                                 input_precision=p, BM=bm, BN=bn, BK=bk, GROUP_M=group, num_programs=7)
+            launch_routed_swiglu_gather_tma(x, w1, w3, h, perm_k, seg_k, mask=mask, route_block=one_block_size(M),
+                                            input_precision=p, BM=bm, BN=bn, BK=bk, GROUP_M=group, num_programs=7)
         elif kernel == "routed_swiglu_pair_tma_kernel":
-            gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision=p, BM=bm,
-                                               BN=bn, BK=bk, GROUP_M=group, num_programs=7)
+            launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, input_precision=p, BM=bm,
+                                          BN=bn, BK=bk, GROUP_M=group, num_programs=7)
         elif kernel == "routed_swiglu_pair_bwd_tma_kernel":  # h checked below, d_up and d_gate here
             ok = perm >= 0
             dh = rnd(gen, M, N, dtype=dtype)
             dgate = torch.zeros(M_pad, N, dtype=dtype)
             dgate[ok] = dh[perm[ok].long()]
             dup = torch.full((M_pad, N), float("nan"), dtype=dtype)
-            gemm.launch_routed_swiglu_pair_bwd_tma(xg, torch.stack([w1, w3]), h, dup, dgate, seg, input_precision=p,
-                                                   BM=bm, BN=bn, BK=bk, GROUP_M=group, num_programs=7)
+            launch_routed_swiglu_pair_bwd_tma(xg, torch.stack([w1, w3]), h, dup, dgate, seg, input_precision=p,
+                                              BM=bm, BN=bn, BK=bk, GROUP_M=group, num_programs=7)
             _, want_dup, want_dgate = ref_swiglu_grads(*ref_gate_up(x, w1, w3, mask), dh.double())
             rows = perm[ok].long()
             assert rel_err(dup[ok], want_dup[rows]) < tol
             assert rel_err(dgate[ok], want_dgate[rows]) < tol
         elif kernel == "routed_swiglu_tma_kernel":
-            gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
-                                          GROUP_M=group, num_programs=7)
+            launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
+                                     GROUP_M=group, num_programs=7)
         else:
             raise AssertionError(f"no test for {kernel}")
         valid = perm >= 0
@@ -855,13 +862,13 @@ def test_shipped_config(kernel, fam, block, group, split):
         dy = rnd(gen, M, N, dtype=dtype)
         dw0, dw1 = (torch.full((N, K), float("nan"), dtype=dtype) for _ in range(2))
         if kernel == "routed_grad_weight_kernel":
-            gemm.launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, input_precision=p, BN=bn, BK=bk, BR=br,
-                                           GROUP_N=group)
+            launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, input_precision=p, BN=bn, BK=bk, BR=br,
+                                      GROUP_N=group)
         else:
             dyg = torch.empty(M_pad, N, dtype=dtype)
-            gemm.launch_gather_rows(dy, dyg, perm)
-            gemm.launch_routed_grad_weight_tma(dyg, xg, seg, dw0, dw1, input_precision=p, BN=bn, BK=bk, BR=br,
-                                               GROUP_N=group)
+            launch_gather_rows(dy, dyg, perm)
+            launch_routed_grad_weight_tma(dyg, xg, seg, dw0, dw1, input_precision=p, BN=bn, BK=bk, BR=br,
+                                          GROUP_N=group)
         xd, dyd = x.double(), dy.double()
         assert rel_err(dw0, (dyd * (1 - m1)).T @ xd) < tol
         assert rel_err(dw1, (dyd * m1).T @ xd) < tol
@@ -880,8 +887,8 @@ def test_grad_weight_tma_stops_at_the_block_past_the_rows(kind):
     dy = rnd(gen, M, N)
     perm, seg = route(mask, align=align)
     dy_pad, x_pad = torch.zeros(perm.shape[0], N), torch.zeros(perm.shape[0], K)
-    gemm.launch_gather_rows(dy, dy_pad, perm, BLOCK_R=16, BLOCK_C=32)
-    gemm.launch_gather_rows(x, x_pad, perm, BLOCK_R=16, BLOCK_C=32)
+    launch_gather_rows(dy, dy_pad, perm, BLOCK_R=16, BLOCK_C=32)
+    launch_gather_rows(x, x_pad, perm, BLOCK_R=16, BLOCK_C=32)
     poisoned = 0
     for e in (0, 1):
         lo, end, count = int(seg[e]), int(seg[1 + e]), int(seg[3 + e])
@@ -891,7 +898,7 @@ def test_grad_weight_tma_stops_at_the_block_past_the_rows(kind):
         poisoned += end - first_unread
     assert poisoned > 0  # the case does leave padding past the bound (else this test proves nothing)
     dw0, dw1 = (torch.full((N, K), float("nan")) for _ in range(2))
-    gemm.launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, input_precision="ieee", BN=16, BK=16, BR=br)
+    launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, input_precision="ieee", BN=16, BK=16, BR=br)
     m1 = mask.double()[:, None]
     assert rel_err(dw0, (dy.double() * (1 - m1)).T @ x.double()) < 1e-5
     assert rel_err(dw1, (dy.double() * m1).T @ x.double()) < 1e-5
@@ -943,21 +950,21 @@ def _saved_forward(kernel, x, mask, w1, w3, gate_up, h):
     if kernel == "ptr":
         perm, seg = route(mask, align=ALIGN)
         hp = torch.empty(perm.shape[0], h.shape[1], dtype=h.dtype)
-        gemm.launch_routed_swiglu(x, w1[0], w1[1], w3[0], w3[1], hp, perm, seg, h.shape[1], x.shape[1], **kw)
+        launch_routed_swiglu(x, w1[0], w1[1], w3[0], w3[1], hp, perm, seg, h.shape[1], x.shape[1], **kw)
         return perm
     if kernel == "one_rows":  # single expert, token order, no perm
-        gemm.launch_routed_swiglu_pair_tma(x, torch.stack([w1[:1], w3[:1]]), h, None, None, num_programs=3,
-                                           one_rows=M, **kw)
+        launch_routed_swiglu_pair_tma(x, torch.stack([w1[:1], w3[:1]]), h, None, None, num_programs=3,
+                                      one_rows=M, **kw)
         return None
     perm, seg = route(mask, align=1)  # the TMA forward's unaligned routing
     if kernel == "gather":
-        gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, num_programs=3, **kw)
+        launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, num_programs=3, **kw)
         return perm
     xg = gathered(x, perm, M)
     if kernel == "pair":
-        gemm.launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, num_programs=3, **kw)
+        launch_routed_swiglu_pair_tma(xg, torch.stack([w1, w3]), h, perm, seg, num_programs=3, **kw)
     else:
-        gemm.launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, num_programs=3, **kw)
+        launch_routed_swiglu_tma(xg, w1, w3, h, perm, seg, num_programs=3, **kw)
     return perm
 
 
@@ -1005,16 +1012,17 @@ def test_linear_gather_tma(dtype, kind, route_block):
     b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
     perm, seg, want = routed_here(mask, ALIGN) if route_block else (*route(mask, align=ALIGN), None)
     out = torch.full((M, N), float("nan"), dtype=dtype)
-    gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, mask=mask, route_block=route_block,
-                                         align=ALIGN, input_precision=prec(dtype), num_programs=3, **T)
+    launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, mask=mask, route_block=route_block,
+                                    align=ALIGN, input_precision=prec(dtype), num_programs=3, **T)
     assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < TOL[dtype]
     if want is not None:
         assert torch.equal(perm, want[0]) and torch.equal(seg, want[1])
 
 
 def split_programs(tiles, split):
-    """A program count below `tiles` whose last partial round gemm._split_tail splits (0 < 2 r <= programs, r = tiles
-    mod programs), or, for split=False, one whose last round is more than half full."""
+    """A program count below `tiles` whose last partial round _split_tail (kernels/gemm_tiles.py) splits
+    (0 < 2 r <= programs, r = tiles mod programs), or, for split=False, one whose last round is more than half
+    full."""
     return next(p for p in range(2, tiles) if (0 < 2 * (tiles % p) <= p) == split and tiles % p)
 
 
@@ -1023,8 +1031,8 @@ def split_programs(tiles, split):
 @pytest.mark.parametrize("variant", ["scatter", "transposed", "ordered", "gather", "gather_routed"])
 def test_linear_split_last_round(variant, N, split):
     """routed_linear_tma_kernel and routed_linear_gather_tma_kernel compiled with SPLIT_TAIL (a config's "split")
-    compute a last round of r tiles as 2r column halves when 2r <= programs (gemm._split_tail), through a second
-    descriptor of BN / 2 columns. The last round's tiles are
+    compute a last round of r tiles as 2r column halves when 2r <= programs (kernels/gemm_tiles.py _split_tail),
+    through a second descriptor of BN / 2 columns. The last round's tiles are
     the last column tile's (grouped order): N = 48 with BN = 16 has both of its halves inside N, N = 40 its second
     half wholly past N. variant: scattered rows of an unaligned routing with bias (the ffn down projection), W
     transposed (grad input), an expert-ordered output over whole segments, A gathered inside with bias, and the same
@@ -1043,19 +1051,19 @@ def test_linear_split_last_round(variant, N, split):
     kw = dict(input_precision="ieee", num_programs=programs, SPLIT_TAIL=True, **T)
     if variant == "scatter":
         out = torch.full((M, N), float("nan"), dtype=dtype)
-        gemm.launch_routed_linear_tma(gathered(x, perm, M), w, b0, b1, out, perm, seg, **kw)
+        launch_routed_linear_tma(gathered(x, perm, M), w, b0, b1, out, perm, seg, **kw)
         ref = ref_linear(x, w[0], w[1], b0, b1, mask)
     elif variant == "transposed":  # dx = dy · W_e for dy [M, N]: the output has K columns, the halves split K
         dy = rnd(gen, M, N, dtype=dtype)
         w = rnd(gen, 2, N, N, dtype=dtype)  # [2, N, K = N]: the same column tiles as the other variants
         out = torch.full((M, N), float("nan"), dtype=dtype)
-        gemm.launch_routed_linear_tma(gathered(dy, perm, perm.shape[0]), w, None, None, out, perm, seg,
-                                      w_transposed=True, **kw)
+        launch_routed_linear_tma(gathered(dy, perm, perm.shape[0]), w, None, None, out, perm, seg,
+                                 w_transposed=True, **kw)
         ref = torch.where(mask[:, None], dy.double() @ w[1].double(), dy.double() @ w[0].double())
     elif variant == "ordered":
         ordered = torch.full((perm.shape[0], N), float("nan"), dtype=dtype)
-        gemm.launch_routed_linear_tma(gathered(x, perm, perm.shape[0]), w, None, None, ordered, perm, seg,
-                                      scatter_out=False, **kw)
+        launch_routed_linear_tma(gathered(x, perm, perm.shape[0]), w, None, None, ordered, perm, seg,
+                                 scatter_out=False, **kw)
         end, valid = int(seg[2]), perm >= 0
         assert (ordered[:end][~valid[:end]] == 0).all() and torch.isnan(ordered[end:]).all()
         out, ref = ordered[valid], ref_linear(x, w[0], w[1], None, None, mask)[perm[valid].long()]
@@ -1065,8 +1073,8 @@ def test_linear_split_last_round(variant, N, split):
         if route_block:
             perm, seg, want = routed_here(mask, ALIGN)
         out = torch.full((M, N), float("nan"), dtype=dtype)
-        gemm.launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, mask=mask, route_block=route_block,
-                                             align=ALIGN, **kw)
+        launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, mask=mask, route_block=route_block,
+                                        align=ALIGN, **kw)
         assert torch.equal(perm, want[0]) and torch.equal(seg, want[1])
         ref = ref_linear(x, w[0], w[1], b0, b1, mask)
     assert torch.isfinite(out).all(), "an output row was not written"
@@ -1086,8 +1094,8 @@ def test_swiglu_gather_tma(dtype, kind, route_block, align):
     w1, w3 = rnd(gen, 2, I, H, dtype=dtype), rnd(gen, 2, I, H, dtype=dtype)
     perm, seg, want = routed_here(mask, align) if route_block else (*route(mask, align=align), None)
     h = torch.full((perm.shape[0], I), float("nan"), dtype=dtype)
-    gemm.launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, mask=mask, route_block=route_block, align=align,
-                                         input_precision=prec(dtype), num_programs=3, **T)
+    launch_routed_swiglu_gather_tma(x, w1, w3, h, perm, seg, mask=mask, route_block=route_block, align=align,
+                                    input_precision=prec(dtype), num_programs=3, **T)
     if want is not None:
         assert torch.equal(perm, want[0]) and torch.equal(seg, want[1])
     valid = perm >= 0

@@ -493,9 +493,9 @@ def test_routing_sizes(gpu_device, M):
 @pytest.mark.parametrize("M", [1000, 2000])
 def test_split_last_round(gpu_device, M):
     """The forward's gather GEMM (sm_90) computes a last round that fills at most half the SMs in column halves,
-    after its whole rounds (kernels/gemm.py _split_tail; at M = 2000 and N = 4096 its tiles are 2 rounds and 8 tiles
-    on 132 SMs). Expert counts and N chosen for this GPU's SM count and the table's config at M (one bucket per M),
-    the tokens shuffled. bf16 with biases, forward and every gradient against float64, NaN-poisoned allocator."""
+    after its whole rounds (kernels/gemm_tiles.py _split_tail; at M = 2000 and N = 4096 its tiles are 2 rounds and 8
+    tiles on 132 SMs). Expert counts and N chosen for this GPU's SM count and the table's config at M (one bucket per
+    M), the tokens shuffled. bf16 with biases, forward and every gradient against float64, NaN-poisoned allocator."""
     major, minor = torch.cuda.get_device_capability(gpu_device)
     K = 256
     sms = torch.cuda.get_device_properties(gpu_device).multi_processor_count

@@ -49,11 +49,16 @@ def test_environment_sets_the_default(env, default):
 # ---------------------------------------------------------------------------------------------------------------
 # The compiled code: one variant of each routed kernel (the first the manifest lists for sm_90).
 # ---------------------------------------------------------------------------------------------------------------
+# By module: kernels/routing.py, gather_rows.py, gemm_pointer.py, gemm_tma.py, gemm_gather_tma.py, grad_weight.py,
+# swiglu_backward.py.
 _KERNELS = ["routing_one_block_kernel", "routing_count_kernel", "routing_scatter_kernel", "routing_single_kernel",
-            "gather_rows_kernel", "route_gather_rows_kernel", "expert_colsum_kernel", "swiglu_backward_kernel",
-            "routed_linear_kernel", "routed_swiglu_kernel", "routed_grad_weight_kernel", "routed_linear_tma_kernel",
-            "routed_linear_gather_tma_kernel", "routed_swiglu_tma_kernel", "routed_swiglu_pair_tma_kernel",
-            "routed_swiglu_gather_tma_kernel", "routed_grad_weight_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"]
+            "gather_rows_kernel", "route_gather_rows_kernel", "expert_colsum_kernel",
+            "routed_linear_kernel", "routed_swiglu_kernel",
+            "routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_swiglu_pair_tma_kernel",
+            "routed_swiglu_pair_bwd_tma_kernel",
+            "routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel",
+            "routed_grad_weight_kernel", "routed_grad_weight_tma_kernel",
+            "swiglu_backward_kernel"]
 
 # PTX instructions that touch global memory (loads, stores, TMA and async copies, atomics, reductions).
 _MEMORY = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|cp\.async|cp\.reduce|atom\.|red\.|"
@@ -71,7 +76,9 @@ def compiled():
         from aot import compile as c, manifest
         out = {}
         for v in manifest.variants():
-            routed = v.kernel.startswith(("kernels.routing:", "kernels.gemm:", "kernels.swiglu_backward:"))
+            routed = v.kernel.split(":")[0] in ("kernels.routing", "kernels.gather_rows", "kernels.gemm_pointer",
+                                                "kernels.gemm_tma", "kernels.gemm_gather_tma", "kernels.grad_weight",
+                                                "kernels.swiglu_backward")
             if not routed or 90 not in v.archs or v.name in out:
                 continue
             out[v.name] = {"pdl90": c._meta(v, 90).get("PDL"), "pdl80": c._meta(v, 80).get("PDL"),
@@ -87,8 +94,9 @@ def compiled():
 
 
 def test_every_routed_kernel_is_covered(compiled):
-    """_KERNELS names every kernel of kernels/routing.py, gemm.py and swiglu_backward.py (a new kernel must be added
-    here, and must start with grid_dependency_sync)."""
+    """_KERNELS names every kernel of the routed kernels' modules (kernels/routing.py, the GEMM files gather_rows.py,
+    gemm_pointer.py, gemm_tma.py, gemm_gather_tma.py and grad_weight.py, and swiglu_backward.py; a new kernel must be
+    added here, and must start with grid_dependency_sync)."""
     assert sorted(k for k in compiled if k != "rope_kernel") == sorted(_KERNELS)
 
 

@@ -1,0 +1,158 @@
+"""Hopper (sm_90) routed GEMMs with x gathered inside (kernels/GEMM.md kernel 7b): A in token order, its rows
+loaded through perm by pointer loads in the main loop, W through TMA descriptors. routed_linear_gather_tma_kernel
+(the linear_dual forward, output rows scattered) and routed_swiglu_gather_tma_kernel (the ffn gate/up GEMM, h
+expert-ordered): no gather copy and no [M_pad, K] buffer, and with ROUTE_BLOCK > 0 no routing launch either
+(kernels/gemm_tiles.py _routed_row_tiles). The alternative to kernels/gather_rows.py + kernels/gemm_tma.py, whose
+weight steps and expert order (_linear_step, _swiglu_step, _w_index) they share; persistent as those.
+
+Conventions (experts, perm / seg, SCATTER_OUT): kernels/gemm_tiles.py.
+"""
+import triton
+import triton.language as tl
+
+from kernels.gemm_tiles import (_add_bias, _gate_up_arg, _half_tile_at, _mask_arg, _routed_row_tiles, _save_gate_up,
+                                _silu_mul, _split_tail, _store_tile, _tile_at, _tile_rows)
+from kernels.gemm_tma import _linear_step, _swiglu_step, _w_index
+from kernels.pdl import grid_dependency_sync
+
+
+@triton.jit
+def _gathered_a(a_ptrs, valid, offs_k, K, k0):
+    """The [BM, BK] A tile at k0 whose rows were gathered through perm (a_ptrs at k = 0; invalid rows and k >= K
+    read as zeros)."""
+    return tl.load(a_ptrs + k0, mask=valid[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+
+
+@triton.jit
+def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
+                        stride_am, stride_om, w_map, HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One output tile of routed_linear_gather_tma_kernel: A's rows gathered through perm[row0, row_hi), columns
+    offs_n = n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide), bias, rows scattered."""
+    offs_k = tl.arange(0, BLOCK_K)
+    rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = _linear_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w_desc, _w_index(e, w_map), n0, k0, acc, False,
+                           INPUT_PRECISION, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+    _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, True, BLOCK_M)
+
+
+@triton.jit
+def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr,
+                                    mask_ptr, M, M_pad, N, K, stride_am, stride_om, w_map,
+                                    HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                                    FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = False,
+                                    PDL: tl.constexpr = False):
+    """The forward of routed_linear_tma_kernel (W through TMA, output rows scattered) with A in token order, its rows
+    gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
+    (the gather inside the GEMM), measured against gather + routed_linear_tma_kernel by aot/tune.py.
+    Persistent over the tiles that hold rows; SPLIT_TAIL: a last round split in column halves through wh_desc, as in
+    routed_linear_tma_kernel. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    start1, t0, num_pid_m, hi0, hi1 = _routed_row_tiles(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK_M, ROUTE_BLOCK,
+                                                        ALIGN)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    main = num_pid_m * num_pid_n
+    if SPLIT_TAIL:
+        main, tail = _split_tail(main, nprog)
+    for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
+        row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
+                                               GROUP_M)
+        _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
+                            K, stride_am, stride_om, w_map, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SPLIT_TAIL and pid < 2 * tail:
+        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
+                                                    BLOCK_N, GROUP_M)
+        _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
+                            K, stride_am, stride_om, w_map, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2, BLOCK_K)
+
+
+@triton.jit
+def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, gu_ptr, perm_ptr, seg_ptr, mask_ptr, M, M_pad,
+                                    N, K, stride_am, stride_hm, stride_gu, w_map, INPUT_PRECISION: tl.constexpr,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                                    FLATTEN: tl.constexpr, SAVE: tl.constexpr = False, PDL: tl.constexpr = False):
+    """routed_swiglu_tma_kernel with x in token order, its rows gathered through perm inside the main loop (no
+    [M_pad, H] gather copy); h expert-ordered as there (rows past each expert's last row tile not written).
+    ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles; mask_ptr, M and M_pad, perm's length, are read only
+    then). SAVE: gate and up also into gate_up (_save_gate_up); without it gu_ptr and stride_gu are not read."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    start1, t0, num_pid_m, hi0, hi1 = _routed_row_tiles(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK_M, ROUTE_BLOCK,
+                                                        ALIGN)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
+        row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
+                                               GROUP_M)
+        rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc_g, acc_u = _swiglu_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w1_desc, w3_desc, e, w_map, n0, k0,
+                                        acc_g, acc_u, INPUT_PRECISION, BLOCK_N, BLOCK_K)
+        _store_tile(h_ptr, _silu_mul(acc_g, acc_u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
+        if SAVE:
+            _save_gate_up(gu_ptr, acc_g, acc_u, perm_ptr, 0, row0, row_hi, offs_n, N, stride_gu, BLOCK_M)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python launchers (JIT / TRITON_INTERPRET use; they also document the grids for the C++ side)
+# ----------------------------------------------------------------------------------------------
+def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, *, mask=None, route_block=0,
+                                    align=128, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
+                                    num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, SPLIT_TAIL=False,
+                                    w_map=2):
+    """a [M, K] in token order (rows gathered in the kernel); w_stacked [2, N, K] (w_map: as in
+    launch_routed_linear_tma); out [M, N]. route_block > 0: perm
+    and seg are written by the kernel from mask (int8 [M], M <= route_block) with routing ALIGN = align."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    M_pad = perm.shape[0]
+    mask_arg, M = _mask_arg(mask, perm, route_block)
+    K = a.shape[1]
+    N = w_stacked.shape[1]
+    w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN, BK])
+    wh_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN // 2, BK])
+    has_bias = bias0 is not None
+    if not has_bias:
+        bias0 = bias1 = out
+    tiles = (M_pad // BM) * triton.cdiv(N, BN)
+    grid = (min(num_programs or tiles, tiles), )
+    routed_linear_gather_tma_kernel[grid](a, w_desc, wh_desc, bias0, bias1, out, perm, seg, mask_arg, M, M_pad, N, K,
+                                          a.stride(0), out.stride(0), w_map, HAS_BIAS=has_bias,
+                                          INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                                          GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
+                                          SPLIT_TAIL=SPLIT_TAIL, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, mask=None, route_block=0, align=128,
+                                    input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8, num_programs=None,
+                                    num_warps=8, num_stages=3, FLATTEN=False, w_map=2 | 2 << 2, gate_up=None):
+    """a [M, K] in token order; h [M_pad, N] expert-ordered (rows >= seg[2] not written). route_block: as in
+    launch_routed_linear_gather_tma; w_map: as in launch_routed_swiglu_tma; gate_up: as in launch_routed_swiglu."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    M_pad, K, N = perm.shape[0], a.shape[1], w1_stacked.shape[1]
+    mask_arg, M = _mask_arg(mask, perm, route_block)
+    w1_desc = TensorDescriptor.from_tensor(w1_stacked, [1, BN, BK])
+    w3_desc = TensorDescriptor.from_tensor(w3_stacked, [1, BN, BK])
+    tiles = (M_pad // BM) * triton.cdiv(N, BN)
+    grid = (min(num_programs or tiles, tiles), )
+    gu, stride_gu, save = _gate_up_arg(gate_up, h)
+    routed_swiglu_gather_tma_kernel[grid](a, w1_desc, w3_desc, h, gu, perm, seg, mask_arg, M, M_pad, N, K,
+                                          a.stride(0), h.stride(0), stride_gu, w_map, SAVE=save,
+                                          INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                                          GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
+                                          num_warps=num_warps, num_stages=num_stages)
+    return h
