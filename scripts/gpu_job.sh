@@ -165,7 +165,7 @@ for k in ("CC", "CXX", "LDSHARED", "LDCXXSHARED", "CFLAGS", "LDFLAGS", "CCSHARED
     nm -C --defined-only "$so" | grep -E "std::(locale|ostream|basic_ostream|codecvt|ios_base)" | head -n 8
     nm -C --defined-only "$so" | grep -cE "std::(locale|codecvt|ios_base)" || true
     grep -E "(^| )(x86_64-linux-gnu-g\+\+|g\+\+|c\+\+|gcc|x86_64-linux-gnu-gcc) .*-shared" "$OUT/build.log" | tail -n 1 | cut -c1-1500 || true
-    grep -E "(c\+\+|g\+\+|gcc) .*-c .*rope_checks" "$OUT/build.log" | tail -n 1 | cut -c1-1500 || true
+    grep -E "(c\+\+|g\+\+|gcc) .*-c .*rope_meta" "$OUT/build.log" | tail -n 1 | cut -c1-1500 || true
     "$PY" -X faulthandler scripts/repro_error_path.py; echo "repro rc=$?"
 }
 

@@ -11,6 +11,7 @@
 #include <array>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace fused {
 
@@ -66,11 +67,23 @@ void check_gate_up(const at::Tensor& gate_up, const at::Tensor& x, int64_t I, co
 // (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2); the u gradients are undefined for the single and the
 // stacked expert (whose grad_w* hold both experts).
 using FfnGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+constexpr int kFfnGradSlots = std::tuple_size_v<FfnGrads>;
+// FfnGrads as an array indexed by FfnGradSlot, and back: the backends fill slots by name, not by tuple position.
+using FfnGradArray = std::array<at::Tensor, kFfnGradSlots>;
+inline FfnGrads to_tuple(FfnGradArray a) {
+  return std::apply([](auto&... t) { return FfnGrads(std::move(t)...); }, a);
+}
+inline FfnGradArray to_array(FfnGrads g) {
+  return std::apply([](auto&... t) { return FfnGradArray{std::move(t)...}; }, g);
+}
 // Which of FfnGrads to compute, in its order: the others are returned undefined, and their work is skipped (a frozen
 // expert's weights, an input that needs no gradient). The last three are ignored for the single and stacked expert.
-using FfnOutputMask = std::array<bool, 7>;
+using FfnOutputMask = std::array<bool, kFfnGradSlots>;
 // The slots of FfnGrads and FfnOutputMask (the op's schema order): every backend and the autograd name them here.
 enum FfnGradSlot : int { kGradX = 0, kGradW1 = 1, kGradW3 = 2, kGradW2 = 3, kGradU1 = 4, kGradU3 = 5, kGradU2 = 6 };
+// The position in ffn's schema, ffn(x, w1, w3, w2, mask, u1, u3, u2, ...), of each slot's input (the autograd's
+// map from gradients to inputs).
+constexpr int kFfnGradInput[kFfnGradSlots] = {0, 1, 2, 3, 5, 6, 7};
 // Projections in slot order within an expert: gate (w1 / u1), up (w3 / u3), down (w2 / u2).
 enum FfnProj : int { kGate = 0, kUp = 1, kDown = 2 };
 // The slot of projection `proj` of expert `expert` (0 = text, 1 = vision; the single expert is 0): the vision

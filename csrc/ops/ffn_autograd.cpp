@@ -46,20 +46,22 @@ struct FfnFunction : public torch::autograd::Function<FfnFunction> {
         c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn_backward", "").typed<fused::FfnBackwardOp>();
     const auto s = ctx->get_saved_variables();
     // Only what autograd asks for is computed: no grad_x for an input that needs none, no weight gradient of a
-    // frozen weight (CogVLM trains the vision expert with the language model's weights frozen). The op's inputs are
-    // x, w1, w3, w2, mask, u1, u3, u2: a gradient slot's input is the slot itself, the u's one further (after mask);
-    // a u that was not given (single or stacked expert) needs none.
+    // frozen weight (CogVLM trains the vision expert with the language model's weights frozen). A u that was not
+    // given (single or stacked expert) needs none. Saved tensors keep the inputs' schema positions (kFfnGradInput).
     fused::FfnOutputMask want{};
-    for (int slot = fused::kGradX; slot <= fused::kGradU2; ++slot) {
-      const size_t input = slot < fused::kGradU1 ? slot : slot + 1;
+    for (int slot = 0; slot < fused::kFfnGradSlots; ++slot) {
+      const int input = fused::kFfnGradInput[slot];
       want[slot] = s[input].defined() && ctx->needs_input_grad(input);
     }
-    auto [gx, gw1, gw3, gw2, gu1, gu3, gu2] = op.call(grads[0], s[0], s[1], s[2], s[3], opt(s[4]), opt(s[5]),
-                                                      opt(s[6]), opt(s[7]), ctx->saved_data["allow_tf32"].toBool(),
-                                                      want, opt(s[8]), opt(s[9]));
-    // Inputs: x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, recompute.
-    return {gx,  gw1, gw3, gw2, Tensor() /* mask */, gu1, gu3, gu2, Tensor() /* allow_tf32 */, Tensor() /* routing */,
-            Tensor() /* recompute */};
+    const fused::FfnGradArray grad = fused::to_array(
+        op.call(grads[0], s[0], s[1], s[2], s[3], opt(s[4]), opt(s[5]), opt(s[6]), opt(s[7]),
+                ctx->saved_data["allow_tf32"].toBool(), want, opt(s[8]), opt(s[9])));
+    // One gradient per argument of ffn, undefined for the non-differentiable ones (mask, allow_tf32, routing, ...).
+    static const size_t num_args =
+        c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").schema().arguments().size();
+    variable_list out(num_args);
+    for (int slot = 0; slot < fused::kFfnGradSlots; ++slot) out[fused::kFfnGradInput[slot]] = grad[slot];
+    return out;
   }
 };
 

@@ -112,7 +112,7 @@ FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED
     if (want(kDown)) grads[kDown] = dye.t().matmul(h);
   }
   // Into the op's slots, in x's dtype: one per projection and expert, or both experts stacked [text, vision].
-  std::array<at::Tensor, 7> out;
+  FfnGradArray out;
   if (want_gx) out[kGradX] = gx.to(dt).reshape(x.sizes());
   for (int expert = 0; expert < (g.dual ? 2 : 1); ++expert)
     for (int proj : {kGate, kUp, kDown}) {
@@ -120,7 +120,7 @@ FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED
       if (!t.defined()) continue;
       out[ffn_grad_slot(g, expert, proj)] = g.stacked ? at::stack({dw[0][proj], dw[1][proj]}).to(dt) : t.to(dt);
     }
-  return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
+  return to_tuple(out);
 }
 
 }  // namespace fused

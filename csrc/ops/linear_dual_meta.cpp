@@ -1,9 +1,73 @@
-// Meta (shape) kernels of the linear_dual ops: torch.compile, torch.export and fake tensors trace through them. Sizes
-// stay symbolic (sym_sizes, *_symint): one trace serves every batch and sequence length.
+// What the linear_dual ops accept and what they return, in one place:
+//  * the input checks (check_linear_dual_inputs*), which the CPU, CUDA and Meta kernels all run first;
+//  * the Meta (shape) kernels: those checks plus the output shapes. torch.compile, torch.export and fake
+//    tensors trace through them; sizes stay symbolic (*_symint), so one trace serves every shape.
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "ops/linear_dual.h"
 #include "ops/routed_gemm.h"
+
+namespace fused {
+namespace {
+constexpr const char* kOp = "linear_dual";
+
+LinearDualGeometry concrete(const LinearDualSymGeometry& g) {
+  return {g.M.expect_int(), g.K.expect_int(), g.N.expect_int()};
+}
+}  // namespace
+
+LinearDualSymGeometry check_linear_dual_inputs_symint(const at::Tensor& x, const at::Tensor& mask,
+                                                      const at::Tensor& weight_v, const at::Tensor& weight_t,
+                                                      const std::optional<at::Tensor>& bias_v,
+                                                      const std::optional<at::Tensor>& bias_t) {
+  TORCH_CHECK(x.dim() >= 1, kOp, ": x must have at least one dimension [..., K], got a scalar");
+  check_routed_dtype(x, kOp, "x");
+  TORCH_CHECK(weight_v.dim() == 2, kOp, ": weight_v must have shape [N, K] (nn.Linear layout), got ",
+              weight_v.sym_sizes());
+  check_like(weight_v, "weight_v", x, "x", kOp);
+  check_like(weight_t, "weight_t", x, "x", kOp);
+  TORCH_SYM_CHECK(sym_equal(weight_t.sym_sizes(), weight_v.sym_sizes()), kOp,
+                  ": weight_t must have the shape of weight_v ", weight_v.sym_sizes(), ", got ", weight_t.sym_sizes());
+  LinearDualSymGeometry g{leading_rows(x), weight_v.sym_size(1), weight_v.sym_size(0)};
+  TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(g.K), kOp, ": x's last dimension (", x.sym_size(-1),
+                  ") must equal the in features K of weight_v / weight_t [N, K] = ", weight_v.sym_sizes());
+  check_mask(mask, x, kOp);
+  for (const auto& [b, what] : {std::make_pair(&bias_v, "bias_v"), std::make_pair(&bias_t, "bias_t")}) {
+    if (!present(*b)) continue;
+    check_like(**b, what, x, "x", kOp);
+    TORCH_CHECK((*b)->dim() == 1, kOp, ": ", what, " must have shape [N] = [", g.N, "], got ", (*b)->sym_sizes());
+    TORCH_SYM_CHECK((*b)->sym_size(0).sym_eq(g.N), kOp, ": ", what, " must have shape [N] = [", g.N, "], got ",
+                    (*b)->sym_sizes());
+  }
+  return g;
+}
+
+LinearDualSymGeometry check_linear_dual_backward_inputs_symint(const at::Tensor& grad_out, const at::Tensor& x,
+                                                               const at::Tensor& mask, const at::Tensor& weight_v,
+                                                               const at::Tensor& weight_t) {
+  LinearDualSymGeometry g = check_linear_dual_inputs_symint(x, mask, weight_v, weight_t, std::nullopt, std::nullopt);
+  check_like(grad_out, "grad_out", x, "x", kOp);
+  const auto want = with_last_symint(x, g.N);
+  TORCH_SYM_CHECK(sym_equal(grad_out.sym_sizes(), want), kOp,
+                  ": grad_out must have the output's shape x.shape[:-1] + [N] = ", c10::SymIntArrayRef(want), ", got ",
+                  grad_out.sym_sizes());
+  return g;
+}
+
+LinearDualGeometry check_linear_dual_inputs(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
+                                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
+                                            const std::optional<at::Tensor>& bias_t) {
+  return concrete(check_linear_dual_inputs_symint(x, mask, weight_v, weight_t, bias_v, bias_t));
+}
+
+LinearDualGeometry check_linear_dual_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x,
+                                                     const at::Tensor& mask, const at::Tensor& weight_v,
+                                                     const at::Tensor& weight_t) {
+  return concrete(check_linear_dual_backward_inputs_symint(grad_out, x, mask, weight_v, weight_t));
+}
+
+}  // namespace fused
 
 namespace {
 using at::Tensor;
