@@ -1,4 +1,4 @@
-// Autocast (torch.autocast, at::autocast) for the routed GEMM ops linear_dual and ffn. Like torch's own linear and
+// Autocast (torch.autocast, at::autocast) for the routed GEMM ops linear_dual and ffn: one boxed kernel for both. Like torch's own linear and
 // matmul (autocast's "lower precision" ops), they cast their floating-point inputs to the region's autocast dtype of
 // the device (bf16 or fp16) and run in it. So a module of this library runs in the precision its nn.Linear
 // counterpart would inside an autocast region, and activations of the region's dtype can meet fp32 parameters
@@ -19,15 +19,12 @@
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <utility>
-
-#include "ops/ffn.h"
-#include "ops/linear_dual.h"
-#include "ops/routed_gemm.h"  // present
+#include <vector>
 
 namespace {
 using at::Tensor;
-using OptT = std::optional<Tensor>;
 
 // t is [i] of `base` along its first dimension (the result of base.unbind(0) or base[i]). Offsets, not data
 // pointers: under torch.compile these are fake tensors, which have no data.
@@ -39,54 +36,65 @@ bool is_slice_of(const Tensor& t, const Tensor& base, int64_t i) {
 
 bool has_symbolic_shape(const Tensor& t) { return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(); }
 
-// (text, vision) of one projection, cast to dt. A missing one stays missing.
+// The [2, ...] base of t and t's index in it, if t is [0] or [1] of one (and its shape is concrete); else -1.
+int64_t expert_slice(const Tensor& t, Tensor* base) {
+  if (!t.is_view()) return -1;
+  *base = t._base();
+  if (has_symbolic_shape(*base) || base->dim() < 1 || base->size(0) != 2) return -1;
+  for (int64_t i : {0, 1})
+    if (is_slice_of(t, *base, i)) return i;
+  return -1;
+}
+
+// One boxed kernel for every routed GEMM op, whatever its schema: it casts the op's tensor arguments on the stack
+// (at::autocast::cached_cast leaves alone what autocast leaves alone: non-floating tensors such as the mask and the
+// routing, float64, other devices, None) and calls the op below autocast. So an argument added to an op is cast with
+// no change here. Tensor arguments that are [0] and [1] of one [2, ...] tensor are cast as that tensor (once) and
+// split again.
 template <c10::DeviceType D>
-std::pair<OptT, OptT> cast_experts(at::ScalarType dt, const OptT& text, const OptT& vision) {
-  if (fused::present(text) && fused::present(vision) && text->is_view() && vision->is_view()) {
-    const Tensor base(text->_base());
-    if (base.is_same(vision->_base()) && !has_symbolic_shape(base) && base.dim() >= 1 && base.size(0) == 2 &&
-        is_slice_of(*text, base, 0) && is_slice_of(*vision, base, 1)) {
-      const Tensor both = at::autocast::cached_cast(dt, base, D);
-      if (!both.is_same(base)) return {both.select(0, 0), both.select(0, 1)};
+void routed_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(D));
+  const at::ScalarType dt = at::autocast::get_autocast_dtype(D);
+  const size_t n = op.schema().arguments().size();
+  c10::IValue* args = stack->data() + (stack->size() - n);
+  // Slices of a stacked [2, ...] tensor: the base is cast once, if both halves are arguments.
+  std::vector<std::pair<Tensor, uint8_t>> bases;  // (base, which halves are arguments: bit i for [i])
+  std::vector<int64_t> slice_of(n, -1), base_of(n, -1);
+  for (size_t a = 0; a < n; ++a) {
+    if (!args[a].isTensor()) continue;
+    Tensor base;
+    const int64_t i = expert_slice(args[a].toTensor(), &base);
+    if (i < 0) continue;
+    size_t b = 0;
+    while (b < bases.size() && !bases[b].first.is_same(base)) ++b;
+    if (b == bases.size()) bases.emplace_back(base, 0);
+    bases[b].second |= uint8_t(1) << i;
+    slice_of[a] = i;
+    base_of[a] = static_cast<int64_t>(b);
+  }
+  std::vector<Tensor> cast_bases(bases.size());
+  for (size_t b = 0; b < bases.size(); ++b)
+    if (bases[b].second == 3) cast_bases[b] = at::autocast::cached_cast(dt, bases[b].first, D);
+  for (size_t a = 0; a < n; ++a) {
+    if (!args[a].isTensor()) continue;
+    const Tensor t = args[a].toTensor();
+    if (base_of[a] >= 0 && cast_bases[base_of[a]].defined()) {
+      const Tensor& both = cast_bases[base_of[a]];
+      if (!both.is_same(bases[base_of[a]].first)) args[a] = both.select(0, slice_of[a]);
+    } else {
+      args[a] = at::autocast::cached_cast(dt, t, D);
     }
   }
-  return {at::autocast::cached_cast(dt, text, D), at::autocast::cached_cast(dt, vision, D)};
-}
-
-template <c10::DeviceType D>
-Tensor linear_dual_autocast(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Tensor& weight_t,
-                            const OptT& bias_v, const OptT& bias_t, bool allow_tf32, const OptT& routing) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(D));
-  const at::ScalarType dt = at::autocast::get_autocast_dtype(D);
-  const auto [wt, wv] = cast_experts<D>(dt, weight_t, weight_v);
-  const auto [bt, bv] = cast_experts<D>(dt, bias_t, bias_v);
-  static auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("fused::linear_dual", "").typed<fused::LinearDualOp>();
-  return op.call(at::autocast::cached_cast(dt, x, D), mask, *wv, *wt, bv, bt, allow_tf32, routing);
-}
-
-template <c10::DeviceType D>
-Tensor ffn_autocast(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2, const OptT& mask,
-                    const OptT& u1, const OptT& u3, const OptT& u2, bool allow_tf32, const OptT& routing,
-                    bool recompute) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(D));
-  const at::ScalarType dt = at::autocast::get_autocast_dtype(D);
-  // the text expert (u*) is [0] of a stacked projection, the vision (or only) expert (w*) [1]
-  const auto [c_u1, c_w1] = cast_experts<D>(dt, u1, w1);
-  const auto [c_u3, c_w3] = cast_experts<D>(dt, u3, w3);
-  const auto [c_u2, c_w2] = cast_experts<D>(dt, u2, w2);
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused::ffn", "").typed<fused::FfnOp>();
-  return op.call(at::autocast::cached_cast(dt, x, D), *c_w1, *c_w3, *c_w2, mask, c_u1, c_u3, c_u2, allow_tf32,
-                 routing, recompute);
+  op.callBoxed(stack);
 }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused, AutocastCUDA, m) {
-  m.impl("linear_dual", linear_dual_autocast<c10::DeviceType::CUDA>);
-  m.impl("ffn", ffn_autocast<c10::DeviceType::CUDA>);
+  m.impl("linear_dual", torch::CppFunction::makeFromBoxedFunction<&routed_autocast<c10::DeviceType::CUDA>>());
+  m.impl("ffn", torch::CppFunction::makeFromBoxedFunction<&routed_autocast<c10::DeviceType::CUDA>>());
 }
 
 TORCH_LIBRARY_IMPL(fused, AutocastCPU, m) {
-  m.impl("linear_dual", linear_dual_autocast<c10::DeviceType::CPU>);
-  m.impl("ffn", ffn_autocast<c10::DeviceType::CPU>);
+  m.impl("linear_dual", torch::CppFunction::makeFromBoxedFunction<&routed_autocast<c10::DeviceType::CPU>>());
+  m.impl("ffn", torch::CppFunction::makeFromBoxedFunction<&routed_autocast<c10::DeviceType::CPU>>());
 }
