@@ -10,6 +10,7 @@
 #include <iostream>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace example {
 
@@ -29,6 +30,33 @@ inline torch::Device device_or_skip(const std::string& name) {
     std::exit(kSkip);
   }
   return torch::kCUDA;
+}
+
+// Calls op `name` ("fused::ffn") through the dispatcher as Python would: the leading arguments by position, others
+// by name, and every argument not given takes its schema default (csrc/torch_bindings.cpp). So the call keeps
+// working when an op gains an argument with a default; a typed<...>() signature would have to be rewritten by hand.
+// Returns the op's outputs.
+inline std::vector<c10::IValue> call_op(const char* name, std::vector<c10::IValue> positional,
+                                        const std::map<std::string, c10::IValue>& named = {}) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  const auto& params = op.schema().arguments();
+  TORCH_CHECK(positional.size() <= params.size(), name, ": ", positional.size(), " positional arguments given, the op "
+              "takes ", params.size());
+  size_t used = 0;
+  torch::jit::Stack stack(positional.begin(), positional.end());
+  for (size_t i = positional.size(); i < params.size(); ++i) {
+    const auto it = named.find(params[i].name());
+    if (it != named.end()) {
+      stack.push_back(it->second);
+      ++used;
+    } else {
+      TORCH_CHECK(params[i].default_value().has_value(), name, ": argument '", params[i].name(), "' is required");
+      stack.push_back(*params[i].default_value());
+    }
+  }
+  TORCH_CHECK(used == named.size(), name, ": a named argument is not one of the op's (or was also given by position)");
+  op.callBoxed(stack);
+  return stack;
 }
 
 // An exception's message, without the C++ backtrace that torch's errors carry.

@@ -24,33 +24,20 @@ using OptT = std::optional<Tensor>;
 constexpr double kTolF32 = 2e-5, kTolBF16 = 3e-2;
 
 // ------------------------------------------------------------------------------------- the ops, via the dispatcher
-// The signatures are the C++ forms of the schemas in csrc/torch_bindings.cpp; typed() checks them when first called.
+// example::call_op: positional arguments, then named ones; the others take their schema defaults.
 
 Tensor rope_fwd(const Tensor& t, const Tensor& freqs) {  // "bshd", no options
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fused::rope_fwd", "")
-          .typed<Tensor(const Tensor&, const Tensor&, c10::string_view, bool, const OptT&, const OptT&, int64_t,
-                        int64_t)>();
-  return op.call(t, freqs, "bshd", false, std::nullopt, std::nullopt, 1, 0);
+  return example::call_op("fused::rope_fwd", {t, freqs}, {{"tensor_format", "bshd"}})[0].toTensor();
 }
 
 Tensor linear_dual(const Tensor& x, const Tensor& mask, const Tensor& wv, const Tensor& wt, const OptT& bv,
                    const OptT& bt) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fused::linear_dual", "")
-                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptT&,
-                                     const OptT&, bool, const OptT&)>();
-  return op.call(x, mask, wv, wt, bv, bt, false, std::nullopt);
+  return example::call_op("fused::linear_dual", {x, mask, wv, wt, bv, bt})[0].toTensor();
 }
 
 Tensor ffn(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2, const OptT& mask, const OptT& u1,
            const OptT& u3, const OptT& u2) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fused::ffn", "")
-                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptT&,
-                                     const OptT&, const OptT&, const OptT&, bool, const OptT&, bool)>();
-  return op.call(x, w1, w3, w2, mask, u1, u3, u2, false, std::nullopt, /*recompute=*/false);
+  return example::call_op("fused::ffn", {x, w1, w3, w2, mask, u1, u3, u2})[0].toTensor();
 }
 
 // ----------------------------------------------------------------------- the formulas, in ATen (docs/design.md)
