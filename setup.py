@@ -46,6 +46,24 @@ class BuildExt(cpp_extension.BuildExtension):
         for ext in self.extensions:
             ext.sources = [s for s in ext.sources if not s.endswith("kernels_gen.cpp")] + [gen]
         super().run()
+        for ext in self.extensions:
+            check_variants(self.get_ext_fullpath(ext.name))
+
+
+def check_variants(library):
+    """Fails the build if a launcher can ask for a variant that aot/manifest.py did not compile for a built
+    architecture (csrc/ops/variant_check.cpp): "no compiled variant" at run time then only means an unbuilt GPU.
+    Loads the library in a fresh interpreter; needs no GPU."""
+    import subprocess
+
+    code = ("import sys, torch; torch.ops.load_library(sys.argv[1]); "
+            "print('\\n'.join(torch.ops.fused._missing_variants()))")
+    res = subprocess.run([sys.executable, "-c", code, library], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"fused_ops: the variant check could not load {library}:\n{res.stderr}")
+    if res.stdout.strip():
+        raise RuntimeError("fused_ops: the C++ launchers can ask for variants that aot/manifest.py does not compile "
+                           "(list them there, or drop them from the launcher's k*Flags):\n" + res.stdout)
 
 
 sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))

@@ -30,21 +30,26 @@ TORCH_LIBRARY(fused, m) {
   // against the mask on the CPU.
   m.def("route(Tensor mask) -> Tensor");
   // Modality-routed linear (docs/design.md): out[i] = x[i]·weight_vᵀ + bias_v if mask[i] else x[i]·weight_tᵀ + bias_t.
+  // x [..., K]; mask bool [...] (x's leading shape); weights [N, K] (nn.Linear layout); biases [N]; out [..., N].
   // routing: route(mask) (or linear_dual_forward's routing of mask), or None (the op routes mask itself).
   m.def("linear_dual(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
         "Tensor? bias_t=None, bool allow_tf32=False, Tensor? routing=None) -> Tensor");
-  // linear_dual and the routing of mask it used (int32 [M + 264], csrc/ops/linear_dual.h), for linear_dual_backward:
-  // what autograd's forward calls and saves (given a routing, it calls linear_dual and saves that).
+  // linear_dual and the routing of mask it used (int32 [M + 264]; layout: csrc/ops/routed_gemm.h), for
+  // linear_dual_backward: what autograd's forward calls and saves (given a routing, it calls linear_dual and saves
+  // that).
   m.def("linear_dual_forward(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
         "Tensor? bias_t=None, bool allow_tf32=False) -> (Tensor, Tensor)");
   // Gradients of linear_dual: (grad_x, grad_weight_v, grad_weight_t, grad_bias_v, grad_bias_t). output_mask says
   // which to compute, in that order; the others are returned undefined (None), and their work is skipped. routing:
-  // linear_dual_forward's or route()'s routing of the same mask (then nothing is routed again; checked against the
-  // mask on the CPU only), or None.
+  // linear_dual_forward's or route()'s routing of the same mask (then nothing is routed again), or None. A routing's
+  // dtype, device and size (which pins M) are checked, its contents only on the CPU: on a GPU that would sync the
+  // host, so there it is trusted to be the mask's, as flash-attention trusts its forward's saved tensors.
   m.def("linear_dual_backward(Tensor grad_out, Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, "
         "bool allow_tf32=False, bool[5] output_mask=[True, True, True, True, True], Tensor? routing=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // SwiGLU MLP w2(silu(x·w1ᵀ) ⊙ x·w3ᵀ); dual expert (mask, u*): token i uses w* if mask[i] (vision) else u* (text).
+  // SwiGLU MLP w2(silu(x·w1ᵀ) ⊙ x·w3ᵀ). x [..., H]; w1 (gate), w3 (up) [I, H]; w2 (down) [H, I]; out [..., H].
+  // Dual expert (mask, u*): token i uses w* if mask[i] (vision) else u* (text), u* of w*'s shapes. Stacked (mask
+  // given, u* None): w1, w3 [2, I, H] and w2 [2, H, I] hold both experts, [0] text and [1] vision.
   // routing (dual expert only): route(mask), or None (the op routes mask itself). recompute (autograd only): False
   // saves the gate and up pre-activations for the backward (ffn_forward: 2 * I elements per token), True saves only
   // the inputs and the backward computes gate and up again (two more GEMMs); the output is the same.
@@ -54,9 +59,11 @@ TORCH_LIBRARY(fused, m) {
   // own expert, in token order, what ffn_backward reads instead of recomputing them (ffn's autograd calls this).
   m.def("ffn_forward(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, Tensor? u3=None, "
         "Tensor? u2=None, bool allow_tf32=False, Tensor? routing=None) -> (Tensor, Tensor)");
-  // Gradients of ffn: (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2), the u gradients None for the
-  // single expert. output_mask says which to compute, in that order; the others are returned undefined (None), and
-  // their work is skipped. routing: as for ffn. gate_up: ffn_forward's, or None (gate and up recomputed from x).
+  // Gradients of ffn: (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2) (slots named in csrc/ops/ffn.h
+  // FfnGradSlot), the u gradients None for the single and the stacked expert (whose grad_w* are stacked too).
+  // output_mask says which to compute, in that order; the others are returned undefined (None), and their work is
+  // skipped (dh and the SwiGLU gradients run whatever is asked). routing: as for ffn. gate_up: ffn_forward's, or None
+  // (gate and up recomputed from x).
   m.def("ffn_backward(Tensor grad_out, Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, "
         "Tensor? u3=None, Tensor? u2=None, bool allow_tf32=False, "
         "bool[7] output_mask=[True, True, True, True, True, True, True], Tensor? routing=None, "
@@ -80,4 +87,8 @@ TORCH_LIBRARY(fused, m) {
   // Diagnostic for benchmarks/bench_config_lookup.py: mean nanoseconds of one launcher-side lookup (find_config, as
   // the launchers call it: a hash lookup and a bucket scan), over `iters` lookups cycling through m = 1 .. 2^16.
   m.def("_config_lookup_ns(int iters) -> float", [](int64_t iters) { return fused::time_config_lookups(iters); });
+  // The build's variant check (csrc/ops/variant_check.cpp), as "sm_<arch> <kernel>: <key>": every variant the
+  // launchers can ask for on a built architecture, and those of them this build did not compile. Needs no GPU.
+  m.def("_requestable_variants() -> str[]");
+  m.def("_missing_variants() -> str[]");
 }

@@ -15,7 +15,7 @@
 //   routing they need).
 //
 // ffn_forward: the same, and the gate/up kernel's epilogue also stores gate and up (fp32 accumulators rounded to the
-//   dtype) into gate_up [M, 2I] in token order (kernels/gemm.py _save_gate_up): 2 * M * I more elements written.
+//   dtype) into gate_up [M, 2I] in token order (kernels/gemm_tiles.py _save_gate_up): 2 * M * I more elements written.
 //
 // Backward. Gate and up come from one of two places (ffn's `recompute`):
 //  * saved (the default): gate_up from ffn_forward, kept by autograd from the forward: 2 * M * I elements per layer,
@@ -38,13 +38,11 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <limits>
 #include <optional>
 #include <torch/library.h>
 
 #include "ops/ffn.h"
 #include "ops/routed_gemm.h"
-#include "ops/torch_launch.h"
 
 namespace fused {
 namespace {
@@ -76,28 +74,6 @@ Projections projections(const FfnGeometry& geo, FUSED_FFN_ARGS) {
     return {routed::Experts(w1[0], w1[1], false), routed::Experts(w3[0], w3[1], false),
             routed::Experts(w2[0], w2[1], false)};
   return {routed::Experts(*u1, w1, false), routed::Experts(*u3, w3, false), routed::Experts(*u2, w2, false)};
-}
-
-// One elementwise pass (kernels/swiglu_backward.py), fp32 math: h = silu(gate) * up, d_up, and d_gate over dh. h, dup
-// and dh are contiguous [rows, I] allocations of this op. gate / up: [., I] views of one row stride, read at row
-// perm[r] (perm defined: the saved gate_up in token order, into expert-ordered buffers) or r; they may be h and dup
-// themselves (in place: the recomputed gate and up).
-void swiglu_backward(const routed::Gemm& g, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dh,
-                     const at::Tensor& h, const at::Tensor& dup, const at::Tensor& perm) {
-  TORCH_INTERNAL_ASSERT(h.is_contiguous() && dup.is_contiguous() && dh.is_contiguous() && dup.sizes() == h.sizes() &&
-                        dh.sizes() == h.sizes() && gate.stride(0) == up.stride(0) && gate.stride(1) == 1 &&
-                        up.stride(1) == 1);
-  const int64_t rows = h.size(0), cols = h.size(1);
-  KernelArgs a;
-  a.ptr(gate.data_ptr()).ptr(up.data_ptr()).ptr(dh.data_ptr()).ptr(h.data_ptr()).ptr(dup.data_ptr())
-      .ptr(perm.defined() ? perm.data_ptr() : h.data_ptr())
-      .i32(rows).i32(cols).i32(gate.stride(0)).i32(cols);
-  TORCH_CHECK((rows + 15) / 16 <= std::numeric_limits<int32_t>::max() && (cols + 255) / 256 <= 65535,
-              "ffn: backward too large for one launch (", rows, " x ", cols, ")");
-  launch_on_current_stream("swiglu_backward_kernel",
-                           "dtype=" + g.dt + ",gather=" + (perm.defined() ? "1" : "0"), a,
-                           Grid{static_cast<uint32_t>((rows + 15) / 16), static_cast<uint32_t>((cols + 255) / 256), 1},
-                           h);  // BLOCK_R = 16, BLOCK_C = 256 (aot/manifest.py)
 }
 
 // ffn's output, and with `save` gate_up (ffn_forward).
@@ -185,13 +161,13 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
       if (wanted(e, j)) t[e] = at::empty(size, opt);
   };
   auto result = [&]() -> FfnGrads {  // into the op's slots
-    std::array<at::Tensor, 7> out;
+    FfnGradArray out;
     out[kGradX] = gx;
     const at::Tensor* per_proj[3] = {dw1, dw3, dw2};  // FfnProj order
     for (int64_t e = 0; e < E; ++e)
       for (int proj : {kGate, kUp, kDown})
         out[ffn_grad_slot(geo, static_cast<int>(e), proj)] = geo.stacked ? stacked[proj] : per_proj[proj][e];
-    return {out[0], out[1], out[2], out[3], out[4], out[5], out[6]};
+    return to_tuple(out);
   };
   const auto any = [&](int j) { return wanted(0, j) || (E == 2 && wanted(1, j)); };
   const bool want_dw1 = any(kGate), want_dw3 = any(kUp), want_dw2 = any(kDown);
@@ -238,13 +214,13 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
     // place (the pointer path's buffers are in token order).
     const at::Tensor gu = as_rows(*gate_up);
     routed::ensure_routed(r);
-    swiglu_backward(g, gu.narrow(1, 0, geo.I), gu.narrow(1, geo.I, geo.I), dgate, h, dup, tma ? r.perm : none);
+    routed::swiglu_backward(g, gu.narrow(1, 0, geo.I), gu.narrow(1, geo.I, geo.I), dgate, h, dup, tma ? r.perm : none);
   } else if (!(tma && routed::swiglu_backward_pair(g, r, xa, p.gate, p.up, h, dup, dgate))) {
     // Recompute. On the TMA path, where the paired gate/up GEMM serves, gate and up are turned into h, d_up and
     // d_gate in its epilogue (never stored: two [M_pad, I] writes and the elementwise pass's reads of them saved).
     routed::linear(g, r, as(xa), p.gate, none, none, as(h), /*w_transposed=*/false, tma);  // gate = x·w1_eᵀ
     routed::linear(g, r, as(xa), p.up, none, none, as(dup), /*w_transposed=*/false, tma);  // up = x·w3_eᵀ
-    swiglu_backward(g, h, dup, dgate, h, dup, none);
+    routed::swiglu_backward(g, h, dup, dgate, h, dup, none);
   }
   // Weight gradients: only the experts' asked for launch programs (routed::grad_weight skips an undefined output).
   // Order: dw2 (the last reader of h and dy), dx, dw1 (the last of dgate), dw3 (the last of dup and x).

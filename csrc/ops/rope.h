@@ -4,6 +4,9 @@
 
 #include <optional>
 #include <string>
+#include <vector>
+
+#include "ops/torch_launch.h"
 
 namespace fused {
 
@@ -67,6 +70,8 @@ at::Tensor rope_cuda(const at::Tensor& t, const at::Tensor& freqs, const RopeOpt
 std::tuple<at::Tensor, at::Tensor> rope_qk_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs,
                                                 const RopeOptions& o, bool backward);
 void rope_inplace_cuda(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o);
+// Every rope_kernel variant the CUDA launcher can ask for on a device of compute capability cc (variant_check.cpp).
+std::vector<VariantRequest> rope_requestable_variants(int cc);
 
 }  // namespace fused
 

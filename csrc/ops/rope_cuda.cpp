@@ -24,6 +24,12 @@ const char* dtype_name(at::ScalarType t) {
   }
 }
 
+// rope_kernel's variant key (aot/manifest.py _rope_variants).
+std::string rope_key(const KernelConfig& cfg, const char* dtype, bool interleaved, bool second, bool thd) {
+  return std::string("cfg=") + cfg.cfg + ",dtype=" + dtype + ",interleaved=" + (interleaved ? "1" : "0") +
+         ",second=" + (second ? "1" : "0") + ",thd=" + (thd ? "1" : "0");
+}
+
 void check_cuda_tensor(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.is_cuda(), "rope: ", what, " must be a CUDA tensor, got one on ", x.device());
 }
@@ -51,9 +57,8 @@ void launch_rope(const RopeGeometry& g, const RopeOptions& o, const at::Tensor& 
 
   // Config (warps, blocks) from the table of the device's architecture (aot/configs/sm<arch>.json); one bucket.
   const KernelConfig& cfg = kernel_config("rope_kernel", "all", device_capability(x.get_device()), g.rows);
-  std::string key = std::string("cfg=") + cfg.cfg + ",dtype=" + dtype_name(x.scalar_type()) + ",interleaved=" +
-                    (o.interleaved ? "1" : "0") + ",second=" + (second ? "1" : "0") + ",thd=" + (thd ? "1" : "0");
-  launch_on_current_stream("rope_kernel", key, a, Grid{static_cast<uint32_t>(g.rows), 1, 1}, x);
+  launch_on_current_stream("rope_kernel", rope_key(cfg, dtype_name(x.scalar_type()), o.interleaved, second, thd), a,
+                           Grid{static_cast<uint32_t>(g.rows), 1, 1}, x);
 }
 
 RopeGeometry check_cuda_inputs(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o,
@@ -98,6 +103,20 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_cuda(const at::Tensor& q, const at::T
   at::Tensor ko = at::empty(k.sizes(), k.options().memory_format(at::MemoryFormat::Contiguous));
   launch_rope(g, o, freqs, q, qo, k, ko, backward, /*copy_pass=*/true);
   return {qo, ko};
+}
+
+std::vector<VariantRequest> rope_requestable_variants(int cc) {
+  std::vector<VariantRequest> out;
+  if (!find_config("rope_kernel", "all", cc, 0)) return {{"rope_kernel", "no config (all)"}};
+  for (size_t i = 0; i < kNumConfigs; ++i) {  // every bucket of the table that serves cc
+    const KernelConfig& cfg = kConfigs[i];
+    if (std::string(cfg.kernel) != "rope_kernel" || cfg.arch != table_arch(cc)) continue;
+    for (const char* dtype : {"fp32", "fp16", "bf16"})
+      for (bool interleaved : {false, true})
+        for (bool second : {false, true})
+          for (bool thd : {false, true}) out.push_back({"rope_kernel", rope_key(cfg, dtype, interleaved, second, thd)});
+  }
+  return out;
 }
 
 }  // namespace fused

@@ -7,12 +7,14 @@
 
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "ops/torch_launch.h"
 #include "runtime/kernel_configs.h"
@@ -50,13 +52,53 @@ const KernelConfig& config(const Gemm& g, const char* kernel, int64_t m) {
   return kernel_config(kernel, family(g), g.cc, m);
 }
 
-std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, bool bias, const KernelConfig& c) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"scatter", flag(scatter)},
-                   {"wt", flag(wt)}, {"bias", flag(bias)}, {"cfg", c.cfg}});
+// gather_rows_kernel's BLOCK_R (kernels/gather_rows.py GATHER_ROWS, in the key as "rows"); divides kAlign.
+constexpr int64_t kGatherRows = 32;
+// Its BLOCK_C without / with the column sums (kernels/gather_rows.py GATHER_COLS, in the key as "cols").
+constexpr int64_t kGatherCols = 128, kGatherColsColsum = 1024;
+static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums must not mix experts");
+
+// ---- variant keys: one function per kernel forms every key its launcher asks for. Where a key has flags, the
+// combinations the launchers below pass are listed beside it (k*Flags, each flag a bit, first argument highest) and
+// asserted when the key is made; requestable_variants() (end of file) forms every key from the same lists, so that
+// the build checks that aot/manifest.py compiles each one (setup.py; tests/test_variant_check.py).
+template <size_t N>
+std::string listed_key(const std::array<int, N>& listed, int flags, const char* kernel, std::string key) {
+  TORCH_INTERNAL_ASSERT(std::find(listed.begin(), listed.end(), flags) != listed.end(), "routed GEMM: ", kernel,
+                        " asked for flags ", flags, " that its k*Flags list (csrc/ops/routed_gemm.cpp) does not hold");
+  return key;
 }
+int bits(std::initializer_list<bool> flags) {
+  int b = 0;
+  for (bool f : flags) b = b << 1 | (f ? 1 : 0);
+  return b;
+}
+std::string align_str(bool aligned) { return std::to_string(aligned ? kAlign : 1); }
+
+// routed_linear_kernel (gather, scatter, wt, bias): linear_dual forward with / without bias, its grad-input (and the
+// pointer ffn backward's, all in token order), the ffn down projection (A = expert-ordered h).
+constexpr std::array<int, 4> kLinearFlags = {0b1101, 0b1100, 0b1110, 0b0100};
+std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, bool bias, const KernelConfig& c) {
+  return listed_key(kLinearFlags, bits({gather, scatter, wt, bias}), "routed_linear_kernel",
+                    make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"scatter", flag(scatter)},
+                              {"wt", flag(wt)}, {"bias", flag(bias)}, {"cfg", c.cfg}}));
+}
+// routed_linear_tma_kernel (scatter, wt, bias): the same with expert-ordered A, and the ffn backward's
+// expert-ordered outputs (not scattered).
+constexpr std::array<int, 5> kLinearTmaFlags = {0b101, 0b100, 0b110, 0b000, 0b010};
 std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, bool bias, const KernelConfig& c) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", flag(scatter)}, {"wt", flag(wt)},
-                   {"bias", flag(bias)}, {"cfg", c.cfg}});
+  return listed_key(kLinearTmaFlags, bits({scatter, wt, bias}), "routed_linear_tma_kernel",
+                    make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", flag(scatter)}, {"wt", flag(wt)},
+                              {"bias", flag(bias)}, {"cfg", c.cfg}}));
+}
+// The token-order gather GEMMs also route a deferred routing: route = its one-block size, 0 when routed already.
+std::string linear_gather_tma_key(const Gemm& g, bool bias, const KernelConfig& c, int64_t route, bool aligned) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"cfg", c.cfg},
+                   {"route", std::to_string(route)}, {"align", align_str(aligned)}});
+}
+std::string swiglu_gather_tma_key(const Gemm& g, bool save, const KernelConfig& c, int64_t route, bool aligned) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}, {"route", std::to_string(route)},
+                   {"align", align_str(aligned)}, {"save", flag(save)}});
 }
 std::string swiglu_key(const Gemm& g, bool save, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", "1"}, {"scatter", "0"}, {"save", flag(save)},
@@ -65,12 +107,45 @@ std::string swiglu_key(const Gemm& g, bool save, const KernelConfig& c) {
 std::string swiglu_tma_key(const Gemm& g, bool save, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", "0"}, {"save", flag(save)}, {"cfg", c.cfg}});
 }
+std::string swiglu_pair_key(const Gemm& g, bool save, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"save", flag(save)}, {"cfg", c.cfg}});
+}
+std::string swiglu_pair_bwd_key(const Gemm& g, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
+}
 std::string grad_weight_tma_key(const Gemm& g, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
 }
+// routed_grad_weight_kernel (gather, dbias): token-order dy / x (linear_dual, the pointer ffn backward).
+constexpr std::array<int, 2> kGradWeightFlags = {0b11, 0b10};
 std::string grad_weight_key(const Gemm& g, bool gather, bool dbias, const KernelConfig& c) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"dbias", flag(dbias)},
-                   {"cfg", c.cfg}});
+  return listed_key(kGradWeightFlags, bits({gather, dbias}), "routed_grad_weight_kernel",
+                    make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"dbias", flag(dbias)},
+                              {"cfg", c.cfg}}));
+}
+std::string gather_rows_key(const Gemm& g, bool colsum) {
+  return make_key({{"dtype", g.dt}, {"colsum", flag(colsum)}, {"rows", std::to_string(kGatherRows)},
+                   {"cols", std::to_string(colsum ? kGatherColsColsum : kGatherCols)}});
+}
+std::string route_gather_rows_key(const Gemm& g, int64_t block) {
+  return make_key({{"dtype", g.dt}, {"block", std::to_string(block)}, {"rows", std::to_string(kGatherRows)},
+                   {"cols", std::to_string(kGatherCols)}});
+}
+std::string expert_colsum_key(const Gemm& g) {
+  return make_key({{"dtype", g.dt}, {"rows", std::to_string(kGatherRows)}});
+}
+std::string swiglu_backward_key(const Gemm& g, bool gather) {
+  return make_key({{"dtype", g.dt}, {"gather", flag(gather)}});
+}
+std::string routing_one_block_key(bool aligned, int64_t block) {
+  return make_key({{"align", align_str(aligned)}, {"block", std::to_string(block)}});
+}
+std::string routing_count_key() { return make_key({{"chunk", std::to_string(kChunk)}}); }
+std::string routing_scatter_key(bool aligned) {
+  return make_key({{"chunk", std::to_string(kChunk)}, {"align", align_str(aligned)}});
+}
+std::string routing_single_key(bool aligned) {
+  return make_key({{"align", align_str(aligned)}, {"block", std::to_string(kSingleBlock)}});
 }
 
 // Internal invariants of a row operand (the ops guarantee them; a failure is a bug here, not a user error).
@@ -84,8 +159,6 @@ void check_rows(const Routing& r, const Rows& x, int64_t cols, const char* what)
 // An upper bound of the row tiles of BLOCK_M rows a persistent kernel walks (cdiv(count_0, bm) + cdiv(count_1, bm)):
 // it caps the grid; the programs take the tile count itself from seg.
 int64_t max_row_tiles(const Routing& r, int64_t bm) { return r.aligned ? r.M_pad / bm : cdiv(r.M, bm) + 1; }
-
-std::string align_str(const Routing& r) { return std::to_string(r.aligned ? kAlign : 1); }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -126,7 +199,7 @@ void ensure_routed(const Routing& r) {
   KernelArgs a;
   a.ptr(mask_arg(r)).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad);
   launch_on_current_stream("routing_one_block_kernel",
-                           make_key({{"align", align_str(r)}, {"block", std::to_string(one_block_size(r.M))}}), a,
+                           routing_one_block_key(r.aligned, one_block_size(r.M)), a,
                            grid(1), r.perm);
   r.pending = at::Tensor();
 }
@@ -166,13 +239,13 @@ Routing route_into(const at::Tensor& m, bool aligned, const at::Tensor& buffer) 
   at::Tensor counts = at::empty({nb * 2}, buffer.options());  // freed stream-ordered: reused only by later work here
   KernelArgs c;
   c.ptr(m.data_ptr()).ptr(counts.data_ptr()).i32(r.M);
-  launch_on_current_stream("routing_count_kernel", make_key({{"chunk", std::to_string(kChunk)}}), c, grid(nb),
+  launch_on_current_stream("routing_count_kernel", routing_count_key(), c, grid(nb),
                            counts);
   KernelArgs s;
   s.ptr(m.data_ptr()).ptr(counts.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad)
       .i32(nb);
   launch_on_current_stream("routing_scatter_kernel",
-                           make_key({{"chunk", std::to_string(kChunk)}, {"align", align_str(r)}}), s, grid(nb),
+                           routing_scatter_key(r.aligned), s, grid(nb),
                            counts);
   return r;
 }
@@ -218,7 +291,7 @@ Routing route_single(int64_t M, const at::Tensor& like, bool aligned) {
   KernelArgs a;
   a.ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(M).i32(r.M_pad);
   launch_on_current_stream("routing_single_kernel",
-                           make_key({{"align", align_str(r)}, {"block", std::to_string(kSingleBlock)}}), a,
+                           routing_single_key(r.aligned), a,
                            grid(cdiv(r.M_pad, kSingleBlock)), r.perm);
   return r;
 }
@@ -250,55 +323,57 @@ Gemm Gemm::make(const at::Tensor& like, bool allow_tf32) {
   return g;
 }
 
-bool Gemm::tma_usable(std::initializer_list<int64_t> dims, bool swiglu) const {
+bool Gemm::tma_kernels(bool swiglu) const {
   // sm_90 exactly: the sm_90 cubins use sm_90a-only instructions (wgmma), and their PTX does not run on sm_100+.
-  if (cc != 90) return false;
-  if (const char* env = std::getenv("FUSED_GEMM_TMA"); env && std::strcmp(env, "0") == 0) return false;
-  if (!std::strstr(built_archs(), "sm_90")) return false;
-  const int64_t es = c10::elementSize(dtype);
-  for (int64_t d : dims)
-    if (d <= 0 || (d * es) % 16 != 0) return false;  // TMA: non-innermost strides are multiples of 16 bytes
+  if (cc != 90 || !std::strstr(built_archs(), "sm_90")) return false;
   // The sm_90 table lists the TMA kernels (aot/configs/sm90.json); a build without them has no such entries.
   if (!find_config("routed_linear_tma_kernel", family(*this), cc, 0) ||
       !find_config("routed_grad_weight_tma_kernel", family(*this), cc, 0))
     return false;
-  if (swiglu && !find_config("routed_swiglu_tma_kernel", family(*this), cc, 0)) return false;  // none for fp32-ieee
-  return true;
+  return !swiglu || find_config("routed_swiglu_tma_kernel", family(*this), cc, 0);  // none for fp32-ieee
+}
+
+bool Gemm::tma_usable(std::initializer_list<int64_t> dims, bool swiglu) const {
+  if (const char* env = std::getenv("FUSED_GEMM_TMA"); env && std::strcmp(env, "0") == 0) return false;
+  const int64_t es = c10::elementSize(dtype);
+  for (int64_t d : dims)
+    if (d <= 0 || (d * es) % 16 != 0) return false;  // TMA: non-innermost strides are multiples of 16 bytes
+  return tma_kernels(swiglu);
 }
 
 // ---------------------------------------------------------------------------------------------------------- weights
-Experts::Experts(const at::Tensor& w0, const at::Tensor& w1, bool single) : single_(single) {
-  w0_ = unit_inner(w0);
-  w1_ = single ? w0_ : unit_inner(w1);
-  TORCH_INTERNAL_ASSERT(w0_.dim() == 2 && w1_.sizes() == w0_.sizes());
-  if (row_stride(w0_) != row_stride(w1_)) make_contiguous();
-  ld_ = row_stride(w0_);
+Experts::Experts(const at::Tensor& text, const at::Tensor& vision, bool single) : single_(single) {
+  text_ = unit_inner(text);
+  vision_ = single ? text_ : unit_inner(vision);
+  TORCH_INTERNAL_ASSERT(text_.dim() == 2 && vision_.sizes() == text_.sizes());
+  if (row_stride(text_) != row_stride(vision_)) make_contiguous();
+  ld_ = row_stride(text_);
 }
 
 void Experts::make_contiguous() {
-  w0_ = w0_.contiguous();
-  w1_ = single_ ? w0_ : w1_.contiguous();
-  ld_ = row_stride(w0_);
+  text_ = text_.contiguous();
+  vision_ = single_ ? text_ : vision_.contiguous();
+  ld_ = row_stride(text_);
   stack_ = at::Tensor();
   st_.reset();
 }
 
 const Experts::Stacked& Experts::stacked() {
   if (st_) return *st_;
-  const int64_t es = w0_.element_size(), R = rows(), C = cols();
-  const bool rows_ok = ld_ >= C && (ld_ * es) % 16 == 0 && aligned16(w0_.data_ptr());
-  const intptr_t diff = single_ ? 0 : reinterpret_cast<intptr_t>(w1_.data_ptr()) - reinterpret_cast<intptr_t>(w0_.data_ptr());
+  const int64_t es = text_.element_size(), R = rows(), C = cols();
+  const bool rows_ok = ld_ >= C && (ld_ * es) % 16 == 0 && aligned16(text_.data_ptr());
+  const intptr_t diff = single_ ? 0 : reinterpret_cast<intptr_t>(vision_.data_ptr()) - reinterpret_cast<intptr_t>(text_.data_ptr());
   if (rows_ok && diff == 0) {  // one expert, or both experts are one tensor (tied weights): index 0 serves both
-    st_ = Stacked{w0_.data_ptr(), 1, R * ld_, ld_, 0};
+    st_ = Stacked{text_.data_ptr(), 1, R * ld_, ld_, 0};
     return *st_;
   }
-  if (rows_ok && !single_ && aligned16(w1_.data_ptr())) {
+  if (rows_ok && !single_ && aligned16(vision_.data_ptr())) {
     // Zero-copy: one rank-3 view from the lower weight, the other |diff| bytes above it (TMA's strides are unsigned
     // multiples of 16 bytes below 2^40), whichever expert that is. CogVLM registers its vision expert first, so a
     // model moved to the GPU often has vision below text; DualLinear / DualExpertSwiGLU stack text first.
     const uintptr_t adiff = static_cast<uintptr_t>(diff < 0 ? -diff : diff);
     if (adiff % 16 == 0 && adiff < (uintptr_t{1} << 40) && static_cast<int64_t>(adiff) / es >= R * ld_) {
-      st_ = Stacked{diff > 0 ? w0_.data_ptr() : w1_.data_ptr(), 2, static_cast<int64_t>(adiff) / es, ld_,
+      st_ = Stacked{diff > 0 ? text_.data_ptr() : vision_.data_ptr(), 2, static_cast<int64_t>(adiff) / es, ld_,
                     diff > 0 ? 2 : 1};
       return *st_;
     }
@@ -314,7 +389,7 @@ const Experts::Stacked& Experts::stacked_contiguous() {
 
 const Experts::Stacked& Experts::stack_by_copy() {
   if (stack_.defined()) return *st_;
-  stack_ = single_ ? w0_.clone(at::MemoryFormat::Contiguous) : at::stack({w0_, w1_});  // new: 16-byte aligned
+  stack_ = single_ ? text_.clone(at::MemoryFormat::Contiguous) : at::stack({text_, vision_});  // new: 16-byte aligned
   st_ = Stacked{stack_.data_ptr(), single_ ? 1 : 2, rows() * cols(), cols(), single_ ? 0 : 2};
   return *st_;
 }
@@ -338,7 +413,7 @@ const void* perm_arg(const Routing& r, const at::Tensor& out) {
   return r.identity ? out.data_ptr() : r.perm.data_ptr();
 }
 const void* seg_arg(const Routing& r, const at::Tensor& out) { return r.identity ? out.data_ptr() : r.seg.data_ptr(); }
-// The persistent TMA kernels' one_rows argument (kernels/gemm.py _walk_tiles): M for an identity routing, else 0.
+// The persistent TMA kernels' one_rows argument (kernels/gemm_tiles.py _walk_tiles): M for an identity routing, else 0.
 int32_t one_rows(const Routing& r) { return r.identity ? static_cast<int32_t>(r.M) : 0; }
 }  // namespace
 
@@ -347,11 +422,6 @@ bool tma_in_place(const at::Tensor& t) {
 }
 
 namespace {
-// gather_rows_kernel's BLOCK_R (kernels/gemm.py GATHER_ROWS, in the key as "rows"); divides kAlign.
-constexpr int64_t kGatherRows = 32;
-// Its BLOCK_C without / with the column sums (kernels/gemm.py GATHER_COLS, in the key as "cols").
-constexpr int64_t kGatherCols = 128, kGatherColsColsum = 1024;
-static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums must not mix experts");
 
 at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src, const at::Tensor& colsum,
                          const at::Tensor& into) {
@@ -369,12 +439,11 @@ at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src,
   KernelArgs a;
   if (r.pending.defined() && !r.aligned && !colsum.defined()) {
     // A deferred unaligned routing (the ffn forward's x on sm_90): routed by the gather's own programs, one launch
-    // instead of the routing kernel and then the gather (kernels/gemm.py route_gather_rows_kernel).
+    // instead of the routing kernel and then the gather (kernels/gather_rows.py route_gather_rows_kernel).
     a.ptr(mask_arg(r)).ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M).i32(r.M_pad).i32(C).i32(src.stride(0)).i32(dst.stride(0));
     launch_on_current_stream("route_gather_rows_kernel",
-                             make_key({{"dtype", g.dt}, {"block", std::to_string(one_block_size(r.M))},
-                                       {"rows", std::to_string(kGatherRows)}, {"cols", std::to_string(kGatherCols)}}),
+                             route_gather_rows_key(g, one_block_size(r.M)),
                              a, grid(cdiv(r.M, kGatherRows), cdiv(C, kGatherCols)), dst);
     r.pending = at::Tensor();
     return dst;
@@ -385,8 +454,7 @@ at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src,
       .i32(rows).i32(C).i32(src.stride(0)).i32(dst.stride(0));
   const int64_t cols = colsum.defined() ? kGatherColsColsum : kGatherCols;
   launch_on_current_stream("gather_rows_kernel",
-                           make_key({{"dtype", g.dt}, {"colsum", flag(colsum.defined())},
-                                     {"rows", std::to_string(kGatherRows)}, {"cols", std::to_string(cols)}}),
+                           gather_rows_key(g, colsum.defined()),
                            a, grid(cdiv(rows, kGatherRows), cdiv(C, cols)), dst);
   return dst;
 }
@@ -412,7 +480,7 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
   at::Tensor dst = launch_gather(g, r, src, colsum, at::Tensor());
   KernelArgs a;
   a.ptr(colsum.data_ptr()).ptr(r.seg.data_ptr()).ptr(sum0.data_ptr()).ptr(sum1.data_ptr()).i32(blocks).i32(C);
-  launch_on_current_stream("expert_colsum_kernel", make_key({{"dtype", g.dt}, {"rows", std::to_string(kGatherRows)}}),
+  launch_on_current_stream("expert_colsum_kernel", expert_colsum_key(g),
                            a, grid(cdiv(C, 64)), colsum);  // BLOCK_C = 64
   return dst;
 }
@@ -455,8 +523,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
           .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(out.t.stride(0)).i32(st.map);
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(n, c->block[1]);
       launch_on_current_stream("routed_linear_gather_tma_kernel",
-                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(has_bias)}, {"cfg", c->cfg},
-                                         {"route", std::to_string(here.block)}, {"align", align_str(r)}}),
+                               linear_gather_tma_key(g, has_bias, *c, here.block, r.aligned),
                                args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
       r.pending = at::Tensor();
       return;
@@ -480,7 +547,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   } else {
     TORCH_INTERNAL_ASSERT(!r.identity);
     const KernelConfig& c = config(g, "routed_linear_kernel", r.M);
-    args.ptr(a.t.data_ptr()).ptr(w.w0().data_ptr()).ptr(w.w1().data_ptr()).ptr(b0).ptr(b1).ptr(out.t.data_ptr())
+    args.ptr(a.t.data_ptr()).ptr(w.text().data_ptr()).ptr(w.vision().data_ptr()).ptr(b0).ptr(b1).ptr(out.t.data_ptr())
         .ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(w.ld()).i32(out.t.stride(0));
     launch_on_current_stream("routed_linear_kernel",
@@ -490,7 +557,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 }
 
 namespace {
-// The w_map argument of the unpaired gate/up kernels: each projection's expert order (kernels/gemm.py _swiglu_step).
+// The w_map argument of the unpaired gate/up kernels: each projection's expert order (kernels/gemm_tma.py _swiglu_step).
 int swiglu_map(const Experts::Stacked& gate, const Experts::Stacked& up) { return gate.map | up.map << 2; }
 
 // Gate and up in one MMA of 2 x BLOCK_N columns (routed_swiglu_pair_tma_kernel and its backward twin) where
@@ -514,45 +581,45 @@ bool same_view(const Experts::Stacked& a, const Experts::Stacked& b) {
   return a.experts == b.experts && a.stride_e == b.stride_e && a.ld == b.ld && a.map == b.map;
 }
 
-std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& w1, Experts& w3, int64_t m,
+std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& gate, Experts& up, int64_t m,
                             bool copy_to_pair) {
   const KernelConfig* pc = find_config(kernel, family(g), g.cc, m);
   if (!pc || config_off(*pc)) return std::nullopt;
-  if (copy_to_pair && !same_view(w1.stacked(), w3.stacked())) {
+  if (copy_to_pair && !same_view(gate.stacked(), up.stacked())) {
     // The descriptor shares one expert stride, row stride and expert order between the two projections, and their
     // views may differ (e.g. separate tensors at different distances: that depends on where the weights lie). Both
     // in the canonical contiguous layout (a copy only where a view is not in it), the pair serves.
-    w1.stacked_contiguous();
-    w3.stacked_contiguous();
+    gate.stacked_contiguous();
+    up.stacked_contiguous();
   }
-  const Experts::Stacked& s1 = w1.stacked();
-  const Experts::Stacked& s3 = w3.stacked();
-  const intptr_t dist = reinterpret_cast<intptr_t>(s3.base) - reinterpret_cast<intptr_t>(s1.base);
+  const Experts::Stacked& sg = gate.stacked();
+  const Experts::Stacked& su = up.stacked();
+  const intptr_t dist = reinterpret_cast<intptr_t>(su.base) - reinterpret_cast<intptr_t>(sg.base);
   const uintptr_t adist = static_cast<uintptr_t>(dist < 0 ? -dist : dist);
-  if (!same_view(s1, s3) || adist == 0 || adist % 16 != 0 || adist >= (uintptr_t{1} << 40)) {
+  if (!same_view(sg, su) || adist == 0 || adist % 16 != 0 || adist >= (uintptr_t{1} << 40)) {
     if (!copy_to_pair) return std::nullopt;  // the forward's unpaired kernel computes the same bits
     // The backward pairs whatever the weights' addresses (its unpaired path rounds gate and up to the input dtype:
     // the gradients would depend on where the weights lie, e.g. gate and up given as one tensor). Both projections in
     // one new [2, E, I, H] tensor, text first: a copy, only where the weights' own addresses cannot serve.
-    const auto experts = [](Experts& w) { return w.single() ? w.w0().unsqueeze(0) : at::stack({w.w0(), w.w1()}); };
-    at::Tensor both = at::stack({experts(w1), experts(w3)});  // contiguous, 16-byte aligned
-    const int64_t E = both.size(1), I = w1.rows(), H = w1.cols();
-    return Pair{pc, Experts::Stacked{both.data_ptr(), E, I * H, H, w1.single() ? 0 : 2}, E * I * H, false, both};
+    const auto experts = [](Experts& w) { return w.single() ? w.text().unsqueeze(0) : at::stack({w.text(), w.vision()}); };
+    at::Tensor both = at::stack({experts(gate), experts(up)});  // contiguous, 16-byte aligned
+    const int64_t E = both.size(1), I = gate.rows(), H = gate.cols();
+    return Pair{pc, Experts::Stacked{both.data_ptr(), E, I * H, H, gate.single() ? 0 : 2}, E * I * H, false, both};
   }
   const bool up_first = dist < 0;
-  return Pair{pc, up_first ? s3 : s1, static_cast<int64_t>(adist) / static_cast<int64_t>(c10::elementSize(g.dtype)),
+  return Pair{pc, up_first ? su : sg, static_cast<int64_t>(adist) / static_cast<int64_t>(c10::elementSize(g.dtype)),
               up_first};
 }
 }  // namespace
 
-void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma,
+void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Experts& up, const at::Tensor& h, bool tma,
             const at::Tensor& gather_into, const at::Tensor& gate_up) {
-  const int64_t I = w1.rows(), H = w1.cols();
-  TORCH_INTERNAL_ASSERT(w3.rows() == I && w3.cols() == H && w1.single() == w3.single());
+  const int64_t I = gate.rows(), H = gate.cols();
+  TORCH_INTERNAL_ASSERT(up.rows() == I && up.cols() == H && gate.single() == up.single());
   TORCH_INTERNAL_ASSERT(r.aligned || tma, "routed GEMM: the pointer swiglu needs an aligned routing");
   check_rows(r, a, H, "x");
   check_rows(r, ordered(h), I, "h");
-  // SAVE: gate and up also into gate_up [M, 2I] in token order (kernels/gemm.py _save_gate_up); otherwise the
+  // SAVE: gate and up also into gate_up [M, 2I] in token order (kernels/gemm_tiles.py _save_gate_up); otherwise the
   // kernels' gu_ptr / stride_gu are h's pointer and 0, never read.
   const bool save = gate_up.defined();
   TORCH_INTERNAL_ASSERT(!save || (gate_up.dim() == 2 && gate_up.size(0) == r.M && gate_up.size(1) == 2 * I &&
@@ -566,19 +633,17 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     const KernelConfig* c = find_config("routed_swiglu_gather_tma_kernel", family(g), g.cc, r.M);
     if (c && !config_off(*c)) {
       const RouteHere here = route_here(r);
-      const Experts::Stacked& s1 = w1.stacked();
-      const Experts::Stacked& s3 = w3.stacked();
+      const Experts::Stacked& sg = gate.stacked();
+      const Experts::Stacked& su = up.stacked();
       args.ptr(a.t.data_ptr())
-          .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
-          .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
+          .tensor(sg.base, {sg.experts, I, H}, {sg.stride_e, sg.ld, 1})
+          .tensor(su.base, {su.experts, I, H}, {su.stride_e, su.ld, 1})
           .ptr(h.data_ptr()).ptr(gu).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
           .ptr(here.mask).i32(r.M)
-          .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0)).i32(stride_gu).i32(swiglu_map(s1, s3));
+          .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0)).i32(stride_gu).i32(swiglu_map(sg, su));
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(I, c->block[1]);
       launch_on_current_stream("routed_swiglu_gather_tma_kernel",
-                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c->cfg},
-                                         {"route", std::to_string(here.block)}, {"align", align_str(r)},
-                                         {"save", flag(save)}}),
+                               swiglu_gather_tma_key(g, save, *c, here.block, r.aligned),
                                args, grid(std::min<int64_t>(g.sms, tiles)), h);
       r.pending = at::Tensor();
       return;
@@ -590,7 +655,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     ensure_routed(r);
     // The unpaired kernel computes the same bits (two accumulators instead of the halves of one): where the pair
     // does not serve, no weight copy is worth it.
-    if (const std::optional<Pair> pair = pair_of("routed_swiglu_pair_tma_kernel", g, w1, w3, r.M, false)) {
+    if (const std::optional<Pair> pair = pair_of("routed_swiglu_pair_tma_kernel", g, gate, up, r.M, false)) {
       args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1});
       pair->add_descriptor(args, I, H);
       pair->add_descriptor(args, I, H);  // w13h_desc: the split last round's half-width tiles
@@ -599,20 +664,19 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
           .i32(pair->lo.map);
       const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(I, pair->cfg->block[1]);
       launch_on_current_stream("routed_swiglu_pair_tma_kernel",
-                               make_key({{"dtype", g.dt}, {"prec", g.prec}, {"save", flag(save)},
-                                         {"cfg", pair->cfg->cfg}}),
+                               swiglu_pair_key(g, save, *pair->cfg),
                                args,
                                grid(std::min<int64_t>(g.sms, tiles)), h);
       return;
     }
-    const Experts::Stacked& s1 = w1.stacked();
-    const Experts::Stacked& s3 = w3.stacked();
+    const Experts::Stacked& sg = gate.stacked();
+    const Experts::Stacked& su = up.stacked();
     const KernelConfig& c = config(g, "routed_swiglu_tma_kernel", r.M);
     args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
-        .tensor(s1.base, {s1.experts, I, H}, {s1.stride_e, s1.ld, 1})
-        .tensor(s3.base, {s3.experts, I, H}, {s3.stride_e, s3.ld, 1})
+        .tensor(sg.base, {sg.experts, I, H}, {sg.stride_e, sg.ld, 1})
+        .tensor(su.base, {su.experts, I, H}, {su.stride_e, su.ld, 1})
         .ptr(h.data_ptr()).ptr(gu).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
-        .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(stride_gu).i32(swiglu_map(s1, s3));
+        .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(stride_gu).i32(swiglu_map(sg, su));
     const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(I, c.block[1]);
     launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g, save, c), args,
                              grid(std::min<int64_t>(g.sms, tiles)), h);
@@ -620,23 +684,23 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts
     ensure_routed(r);
     TORCH_INTERNAL_ASSERT(!a.expert_ordered && !r.identity,
                           "routed GEMM: the pointer swiglu is compiled for token-order x and a routing with perm only");
-    if (w1.ld() != w3.ld()) {  // the kernel takes one row stride for all four weights
-      w1.make_contiguous();
-      w3.make_contiguous();
+    if (gate.ld() != up.ld()) {  // the kernel takes one row stride for all four weights
+      gate.make_contiguous();
+      up.make_contiguous();
     }
     const KernelConfig& c = config(g, "routed_swiglu_kernel", r.M);
-    args.ptr(a.t.data_ptr()).ptr(w1.w0().data_ptr()).ptr(w1.w1().data_ptr()).ptr(w3.w0().data_ptr())
-        .ptr(w3.w1().data_ptr()).ptr(h.data_ptr()).ptr(gu).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-        .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(w1.ld()).i32(h.stride(0)).i32(stride_gu);
+    args.ptr(a.t.data_ptr()).ptr(gate.text().data_ptr()).ptr(gate.vision().data_ptr()).ptr(up.text().data_ptr())
+        .ptr(up.vision().data_ptr()).ptr(h.data_ptr()).ptr(gu).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+        .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(gate.ld()).i32(h.stride(0)).i32(stride_gu);
     launch_on_current_stream("routed_swiglu_kernel", swiglu_key(g, save, c), args,
                              grid((r.M_pad / c.block[0]) * cdiv(I, c.block[1])), h);
   }
 }
 
-bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, Experts& w1, Experts& w3,
+bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, Experts& gate, Experts& up,
                           const at::Tensor& h, const at::Tensor& dup, const at::Tensor& dgate) {
-  const int64_t I = w1.rows(), H = w1.cols();
-  TORCH_INTERNAL_ASSERT(r.aligned && !r.identity && w3.rows() == I && w3.cols() == H);
+  const int64_t I = gate.rows(), H = gate.cols();
+  TORCH_INTERNAL_ASSERT(r.aligned && !r.identity && up.rows() == I && up.cols() == H);
   check_rows(r, ordered(x), H, "x");
   for (const at::Tensor* t : {&h, &dup, &dgate})
     TORCH_INTERNAL_ASSERT(t->dim() == 2 && t->size(0) == r.M_pad && t->size(1) == I && t->stride(1) == 1 &&
@@ -644,7 +708,7 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
   // Always paired where the pair kernel serves m (pair_of copies both weights into one tensor where their addresses do
   // not serve): the unpaired backward stores gate and up in the input dtype before the SwiGLU backward, so a fallback
   // would make the gradients depend on the weights' addresses (test_weight_layout_does_not_change_results).
-  const std::optional<Pair> pair = pair_of("routed_swiglu_pair_bwd_tma_kernel", g, w1, w3, r.M, true);
+  const std::optional<Pair> pair = pair_of("routed_swiglu_pair_bwd_tma_kernel", g, gate, up, r.M, true);
   if (!pair) return false;
   ensure_routed(r);
   KernelArgs args;
@@ -654,9 +718,24 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
       .i32(I).i32(H).i32(h.stride(0)).i32(pair->up_first ? 1 : 0).i32(pair->lo.map);
   const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(I, pair->cfg->block[1]);
   launch_on_current_stream("routed_swiglu_pair_bwd_tma_kernel",
-                           make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", pair->cfg->cfg}}), args,
+                           swiglu_pair_bwd_key(g, *pair->cfg), args,
                            grid(std::min<int64_t>(g.sms, tiles)), h);
   return true;
+}
+
+void swiglu_backward(const Gemm& g, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dh,
+                     const at::Tensor& h, const at::Tensor& dup, const at::Tensor& perm) {
+  TORCH_INTERNAL_ASSERT(h.is_contiguous() && dup.is_contiguous() && dh.is_contiguous() && dup.sizes() == h.sizes() &&
+                        dh.sizes() == h.sizes() && gate.stride(0) == up.stride(0) && gate.stride(1) == 1 &&
+                        up.stride(1) == 1);
+  const int64_t rows = h.size(0), cols = h.size(1);
+  KernelArgs a;
+  a.ptr(gate.data_ptr()).ptr(up.data_ptr()).ptr(dh.data_ptr()).ptr(h.data_ptr()).ptr(dup.data_ptr())
+      .ptr(perm.defined() ? perm.data_ptr() : h.data_ptr())
+      .i32(rows).i32(cols).i32(gate.stride(0)).i32(cols);
+  // BLOCK_R = 16, BLOCK_C = 256 (aot/manifest.py)
+  launch_on_current_stream("swiglu_backward_kernel", swiglu_backward_key(g, perm.defined()), a,
+                           grid(cdiv(rows, 16), cdiv(cols, 256)), h);
 }
 
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0_in,
@@ -685,10 +764,10 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
     if (dbias && !db[e].defined()) db[e] = db[1 - e];
   }
   ensure_routed(r);
-  const at::Tensor &dw0 = dw[0], &w1 = dw[1], &db0 = db[0], &b1 = db[1];
-  TORCH_INTERNAL_ASSERT(dw0.size(0) == N && dw0.size(1) == K && dw0.is_contiguous() && w1.sizes() == dw0.sizes() &&
-                        w1.strides() == dw0.strides());
-  if (dbias) TORCH_INTERNAL_ASSERT(db0.numel() == N && b1.numel() == N && db0.is_contiguous() && b1.is_contiguous());
+  const at::Tensor &dw0 = dw[0], &dw1 = dw[1], &db0 = db[0], &db1 = db[1];
+  TORCH_INTERNAL_ASSERT(dw0.size(0) == N && dw0.size(1) == K && dw0.is_contiguous() && dw1.sizes() == dw0.sizes() &&
+                        dw1.strides() == dw0.strides());
+  if (dbias) TORCH_INTERNAL_ASSERT(db0.numel() == N && db1.numel() == N && db0.is_contiguous() && db1.is_contiguous());
   KernelArgs args;
   if (tma) {
     // One program per [BN, BK] tile computes it for every expert in `experts` (bit e: expert e), in one loop over
@@ -700,7 +779,7 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
         .tensor(x.t.data_ptr(), {r.M_pad, K}, {x.t.stride(0), 1})
         .ptr(r.seg.data_ptr())
         .tensor(dw0.data_ptr(), {N, K}, {dw0.stride(0), 1})
-        .tensor(w1.data_ptr(), {N, K}, {w1.stride(0), 1})
+        .tensor(dw1.data_ptr(), {N, K}, {dw1.stride(0), 1})
         .i32(N).i32(K).i32((run[0] ? 1 : 0) | (run[1] ? 2 : 0));
     launch_on_current_stream("routed_grad_weight_tma_kernel", grad_weight_tma_key(g, c), args,
                              grid(cdiv(N, c.block[0]) * cdiv(K, c.block[1])), dw0);
@@ -708,17 +787,94 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
   }
   // Pointer kernel: a launch of one expert (either, or the only one of a single routing) has per_e programs, all
   // expert first_expert; a launch of both has 2 per_e, the first per_e for the expert with more rows (read from seg
-  // on the device: kernels/gemm.py _grad_weight_expert).
+  // on the device: kernels/grad_weight.py _grad_weight_expert).
   const int32_t first_expert = run[0] ? 0 : 1;
   const int64_t n_experts = (run[0] && run[1]) ? 2 : 1;
   const KernelConfig& c = config(g, "routed_grad_weight_kernel", r.M);  // block: BN x BK x BR
   args.ptr(dy.t.data_ptr()).ptr(x.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-      .ptr(dw0.data_ptr()).ptr(w1.data_ptr())
-      .ptr(dbias ? db0.data_ptr() : r.perm.data_ptr()).ptr(dbias ? b1.data_ptr() : r.perm.data_ptr())
+      .ptr(dw0.data_ptr()).ptr(dw1.data_ptr())
+      .ptr(dbias ? db0.data_ptr() : r.perm.data_ptr()).ptr(dbias ? db1.data_ptr() : r.perm.data_ptr())
       .i32(N).i32(K).i32(dy.t.stride(0)).i32(x.t.stride(0)).i32(dw0.stride(0)).i32(first_expert);
   const int64_t per_e = cdiv(N, c.block[0]) * cdiv(K, c.block[1]);
   launch_on_current_stream("routed_grad_weight_kernel", grad_weight_key(g, !dy.expert_ordered, dbias, c), args,
                            grid(n_experts * per_e), dw0);
+}
+
+// ------------------------------------------------------------------------------------ every variant asked for
+std::vector<VariantRequest> requestable_variants(int cc) {
+  std::set<VariantRequest> out;
+  // The token counts at which a key can change: each config bucket's bound and the one-block routing sizes, and the
+  // next count up; keys are constant between them.
+  std::set<int64_t> ms = {0, 1};
+  for (int64_t b : {kOneBlockSmall, kOneBlockMid, kOneBlock}) ms.insert({b, b + 1});
+  for (size_t i = 0; i < kNumConfigs; ++i)
+    if (kConfigs[i].max_m >= 0) ms.insert({kConfigs[i].max_m, kConfigs[i].max_m + 1});
+  for (bool aligned : {true, false}) {  // routing: no dtype
+    for (int64_t m : ms)
+      if (one_block_size(m) > 0) out.insert({"routing_one_block_kernel", routing_one_block_key(aligned, one_block_size(m))});
+    out.insert({"routing_count_kernel", routing_count_key()});
+    out.insert({"routing_scatter_kernel", routing_scatter_key(aligned)});
+    out.insert({"routing_single_kernel", routing_single_key(aligned)});
+  }
+  const std::pair<at::ScalarType, const char*> units[] = {
+      {at::kBFloat16, "tf32"}, {at::kHalf, "tf32"}, {at::kFloat, "tf32"}, {at::kFloat, "ieee"}};
+  for (const auto& [dtype, prec] : units) {
+    Gemm g;
+    g.dtype = dtype;
+    g.dt = dtype == at::kFloat ? "fp32" : dtype == at::kHalf ? "fp16" : "bf16";
+    g.prec = prec;
+    g.cc = cc;
+    const bool tma = g.tma_kernels(false), tma_swiglu = g.tma_kernels(true);
+    for (bool f : {false, true}) {
+      out.insert({"gather_rows_kernel", gather_rows_key(g, f)});
+      out.insert({"swiglu_backward_kernel", swiglu_backward_key(g, f)});
+    }
+    out.insert({"expert_colsum_kernel", expert_colsum_key(g)});
+    for (int64_t m : ms) {
+      // A bucket a launcher looks up; a missing one is reported as such (kernel_config would throw at run time).
+      const auto cfg = [&](const char* kernel) -> const KernelConfig* {
+        const KernelConfig* c = find_config(kernel, family(g), cc, m);
+        if (!c) out.insert({kernel, "no config for m=" + std::to_string(m) + " (" + family(g) + ")"});
+        return c;
+      };
+      // Alternative designs: looked up with find_config, used where the bucket is not "off".
+      const auto optional_cfg = [&](const char* kernel) -> const KernelConfig* {
+        const KernelConfig* c = find_config(kernel, family(g), cc, m);
+        return c && !config_off(*c) ? c : nullptr;
+      };
+      const int64_t routes[] = {0, one_block_size(m)};  // the token-order GEMMs' ROUTE_BLOCK (0: routed already)
+      if (const KernelConfig* c = cfg("routed_linear_kernel"))
+        for (int f : kLinearFlags) out.insert({"routed_linear_kernel", linear_key(g, f & 8, f & 4, f & 2, f & 1, *c)});
+      if (const KernelConfig* c = cfg("routed_swiglu_kernel"))
+        for (bool save : {false, true}) out.insert({"routed_swiglu_kernel", swiglu_key(g, save, *c)});
+      if (const KernelConfig* c = cfg("routed_grad_weight_kernel"))
+        for (int f : kGradWeightFlags) out.insert({"routed_grad_weight_kernel", grad_weight_key(g, f & 2, f & 1, *c)});
+      if (!tma) continue;
+      if (const KernelConfig* c = cfg("routed_linear_tma_kernel"))
+        for (int f : kLinearTmaFlags)
+          out.insert({"routed_linear_tma_kernel", linear_tma_key(g, f & 4, f & 2, f & 1, *c)});
+      if (const KernelConfig* c = cfg("routed_grad_weight_tma_kernel"))
+        out.insert({"routed_grad_weight_tma_kernel", grad_weight_tma_key(g, *c)});
+      if (const KernelConfig* c = optional_cfg("routed_linear_gather_tma_kernel"))
+        for (bool bias : {false, true})
+          for (int64_t route : routes)
+            out.insert({"routed_linear_gather_tma_kernel", linear_gather_tma_key(g, bias, *c, route, true)});
+      if (!tma_swiglu) continue;
+      // the ffn forward's x gather on its unaligned routing, which it routes itself
+      if (one_block_size(m) > 0) out.insert({"route_gather_rows_kernel", route_gather_rows_key(g, one_block_size(m))});
+      if (const KernelConfig* c = cfg("routed_swiglu_tma_kernel"))
+        for (bool save : {false, true}) out.insert({"routed_swiglu_tma_kernel", swiglu_tma_key(g, save, *c)});
+      if (const KernelConfig* c = optional_cfg("routed_swiglu_gather_tma_kernel"))
+        for (bool save : {false, true})
+          for (int64_t route : routes)
+            out.insert({"routed_swiglu_gather_tma_kernel", swiglu_gather_tma_key(g, save, *c, route, false)});
+      if (const KernelConfig* c = optional_cfg("routed_swiglu_pair_tma_kernel"))
+        for (bool save : {false, true}) out.insert({"routed_swiglu_pair_tma_kernel", swiglu_pair_key(g, save, *c)});
+      if (const KernelConfig* c = optional_cfg("routed_swiglu_pair_bwd_tma_kernel"))
+        out.insert({"routed_swiglu_pair_bwd_tma_kernel", swiglu_pair_bwd_key(g, *c)});
+    }
+  }
+  return {out.begin(), out.end()};
 }
 
 }  // namespace routed

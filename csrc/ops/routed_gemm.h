@@ -1,8 +1,9 @@
 // The shared core of the routed GEMM ops (linear_dual, ffn; docs/design.md "Routed GEMM ops"):
 //  * input checks shared by both ops and every backend (CPU, CUDA, Meta);
 //  * on CUDA: routing (perm / seg on the device, no host sync), the experts' weights as the kernels see them, and
-//    thin launchers of the AOT-compiled kernels of kernels/routing.py and kernels/gemm.py. Argument lists, grids and
-//    the meaning of perm / seg / "expert-ordered padded buffer": kernels/GEMM.md. Variants: aot/manifest.py.
+//    thin launchers of the AOT-compiled kernels of kernels/routing.py, gather_rows.py, gemm_*.py, grad_weight.py and
+//    swiglu_backward.py. Argument lists: the kernels' signatures; grids and the meaning of perm / seg /
+//    "expert-ordered padded buffer": kernels/GEMM.md. Variants: aot/manifest.py.
 //
 // Expert 0 = text (mask false), expert 1 = vision (mask true). A single-expert op (ffn without mask) has only
 // expert 0.
@@ -12,6 +13,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "ops/torch_launch.h"
 
 namespace fused {
 
@@ -151,29 +154,37 @@ struct Gemm {
   // a build holding sm_90 images, TMA variants for this dtype/precision (and the TMA swiglu when `swiglu`), every
   // dim > 0 with dim * element size a multiple of 16 bytes, and FUSED_GEMM_TMA not set to 0.
   bool tma_usable(std::initializer_list<int64_t> dims, bool swiglu) const;
+  // The part of tma_usable that does not depend on the operands: sm_90, a build with its TMA kernels for this
+  // dtype/precision (and the TMA swiglu when `swiglu`).
+  bool tma_kernels(bool swiglu) const;
 };
+
+// Every variant the routed launchers can ask for on a device of compute capability cc, over every dtype, precision,
+// token count and flag combination they pass (formed by the launchers' own key functions). A kernel whose config
+// table has no entry for a token count it would be asked for shows as key "no config for m=<m>".
+std::vector<VariantRequest> requestable_variants(int cc);
 
 // The two experts' weights of one projection, [R, C] each (nn.Linear layout: R = out features, C = in features).
 // The pointer kernels take two base pointers and one shared row stride; the TMA kernels one rank-3 descriptor
 // over [E, R, C].
 class Experts {
  public:
-  // w0 = expert 0 (text), w1 = expert 1 (vision). single: only w0 is used (w1 may be w0).
-  Experts(const at::Tensor& w0, const at::Tensor& w1, bool single);
-  const at::Tensor& w0() const { return w0_; }
-  const at::Tensor& w1() const { return single_ ? w0_ : w1_; }
-  int64_t rows() const { return w0_.size(0); }
-  int64_t cols() const { return w0_.size(1); }
-  int64_t ld() const { return ld_; }  // row stride (elements) shared by w0 and w1
+  // Expert 0 (text) and expert 1 (vision). single: only `text` is used (the only expert; `vision` may be it too).
+  Experts(const at::Tensor& text, const at::Tensor& vision, bool single);
+  const at::Tensor& text() const { return text_; }
+  const at::Tensor& vision() const { return single_ ? text_ : vision_; }
+  int64_t rows() const { return text_.size(0); }
+  int64_t cols() const { return text_.size(1); }
+  int64_t ld() const { return ld_; }  // row stride (elements) shared by both experts
   bool single() const { return single_; }
   // Makes both experts contiguous (row stride = cols), e.g. to share one stride with another projection.
   void make_contiguous();
 
   // The rank-3 TMA view: shape [E, R, C], strides [stride_e, ld, 1] (elements), from `base`, the lower of the two
-  // weights; `map` says which index holds which expert (kernels/gemm.py _w_index: bit e = the index of expert e;
+  // weights; `map` says which index holds which expert (kernels/gemm_tma.py _w_index: bit e = the index of expert e;
   // 2 = [text, vision], 1 = [vision, text], 0 = both experts are the one weight at index 0, also the single expert's).
   // Zero-copy, whichever expert lies lower in memory, when both bases and the row stride are 16-byte aligned and the
-  // experts are |w1 - w0| apart (a multiple of 16 bytes, rows not overlapping, below TMA's 2^40-byte stride limit)
+  // experts are |vision - text| apart (a multiple of 16 bytes, rows not overlapping, below TMA's 2^40-byte stride limit)
   // or the same tensor: views of one [2, R, C] tensor in either expert order, or two separate tensors. Otherwise the
   // experts are stacked into a new [2, R, C] tensor: a copy of both weights per call (2*R*C elements), kept for the
   // rest of the op (e.g. reused by the grad-input and the forward GEMMs of one call).
@@ -191,7 +202,7 @@ class Experts {
 
  private:
   const Stacked& stack_by_copy();  // [E, R, C] contiguous copy of the experts
-  at::Tensor w0_, w1_, stack_;
+  at::Tensor text_, vision_, stack_;
   bool single_;
   int64_t ld_;
   std::optional<Stacked> st_;
@@ -234,15 +245,22 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 // gathered inside the GEMM where the table says so, else gathered first (gather_rows into `gather_into`).
 // gate_up, when defined ([M, 2I], unit inner stride, h's dtype): also gets the pre-activations in token order,
 // gate_up[t] = [a_t · W1_eᵀ, a_t · W3_eᵀ] (the activations the ffn backward reads instead of recomputing them).
-void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& w1, Experts& w3, const at::Tensor& h, bool tma,
+void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Experts& up, const at::Tensor& h, bool tma,
             const at::Tensor& gather_into = at::Tensor(), const at::Tensor& gate_up = at::Tensor());
 
 // The ffn backward's gate/up recompute fused with the SwiGLU backward (routed_swiglu_pair_bwd_tma_kernel), where the
 // pair kernel serves m (sm_90 table) and W1 / W3 allow its rank-4 descriptor: from expert-ordered x [M_pad, H] (aligned
 // routing, zero padding rows) and dh, held in dgate on entry: h, d_up and d_gate (over dh), all [M_pad, I] of one row
 // stride, padding rows below end zero. Returns false, launching nothing, where it does not serve.
-bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, Experts& w1, Experts& w3,
+bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, Experts& gate, Experts& up,
                           const at::Tensor& h, const at::Tensor& dup, const at::Tensor& dgate);
+
+// The SwiGLU backward, one elementwise pass (swiglu_backward_kernel), fp32 math: h = silu(gate) * up, d_up, and d_gate
+// over dh. h, dup and dh are contiguous [rows, I]. gate / up: [., I] views of one row stride, read at row perm[r]
+// (perm defined: the saved gate_up in token order, into expert-ordered buffers) or r; they may be h and dup
+// themselves (in place: the recomputed gate and up).
+void swiglu_backward(const Gemm& g, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dh,
+                     const at::Tensor& h, const at::Tensor& dup, const at::Tensor& perm);
 
 // dW_e = dy_eᵀ · x_e ([N, K]) and, when db0 is defined, db_e = Σ dy_e ([N]) for e = 0 (dw0, db0) and e = 1 (dw1,
 // db1; not touched for a single-expert routing). dy [., N] and x [., K] both in token order or both expert-ordered.

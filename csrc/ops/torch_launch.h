@@ -2,6 +2,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <string>
+#include <tuple>
+
 #include "runtime/launcher.h"
 
 namespace fused {
@@ -9,6 +12,14 @@ namespace fused {
 // Launches on the current CUDA stream of `like`'s device (the caller holds a device guard for it).
 void launch_on_current_stream(const char* kernel, const std::string& key, const KernelArgs& args, Grid grid,
                               const at::Tensor& like);
+
+// A variant a launcher asks for: the kernel's name and its key ("dtype=bf16,..."; aot/manifest.py Variant.key_str).
+// The launchers list every one they can ask for (routed::requestable_variants, rope_requestable_variants), which the
+// build checks against the compiled table (csrc/ops/variant_check.cpp).
+struct VariantRequest {
+  std::string kernel, key;
+  bool operator<(const VariantRequest& o) const { return std::tie(kernel, key) < std::tie(o.kernel, o.key); }
+};
 
 // Whether torch's current stream on `like`'s device is capturing a CUDA graph (no host syncs allowed then).
 bool current_stream_is_capturing(const at::Tensor& like);

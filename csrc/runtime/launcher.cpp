@@ -224,8 +224,16 @@ void encode_tensor_map(const DriverApi& api, CUtensorMap* map, const KernelArgs:
 
 }  // namespace
 
-bool has_variant(const char* kernel, const std::string& key) {
-  return variant_index().count(std::string(kernel) + "|" + key) != 0;
+bool has_variant(const char* kernel, const std::string& key, int cc) {
+  const auto it = variant_index().find(std::string(kernel) + "|" + key);
+  if (it == variant_index().end()) return false;
+  if (cc < 0) return true;
+  Device d;
+  d.major = cc / 10;
+  d.minor = cc % 10;
+  for (const KernelVariant* v : it->second)
+    if (choose_image(*v, d)) return true;
+  return false;
 }
 
 const char* built_archs() { return kBuiltArchs; }

@@ -62,7 +62,9 @@ void launch(const char* kernel, const std::string& key, const KernelArgs& args, 
             int device, const ScratchAllocator& scratch = nullptr);
 
 // Whether any variant was compiled for (kernel, key): lets ops give a clear error for unsupported combinations.
-bool has_variant(const char* kernel, const std::string& key);
+// With cc >= 0: one that a device of compute capability cc can run (a cubin of its major version not above it, or
+// PTX not above it), as the launcher chooses images.
+bool has_variant(const char* kernel, const std::string& key, int cc = -1);
 
 // Compute capability (e.g. 90) and multiprocessor count of a CUDA device (cached after the first call).
 int device_capability(int device);
