@@ -1,17 +1,17 @@
-// Autocast (torch.autocast, at::autocast) for the routed GEMM ops linear_dual and ffn: one boxed kernel for both. Like torch's own linear and
-// matmul (autocast's "lower precision" ops), they cast their floating-point inputs to the region's autocast dtype of
-// the device (bf16 or fp16) and run in it. So a module of this library runs in the precision its nn.Linear
-// counterpart would inside an autocast region, and activations of the region's dtype can meet fp32 parameters
-// (without autocast that is a mixed-dtype error). What autocast leaves alone, these leave alone too: float64 tensors,
-// tensors on another device type, the mask. Outside an autocast region these kernels are not called.
+// Autocast (torch.autocast, at::autocast) for the routed GEMM ops linear_dual and ffn: one boxed kernel for both. Like
+// torch's own linear and matmul (autocast's "lower precision" ops), they cast their floating-point inputs to the
+// region's autocast dtype of the device (bf16 or fp16) and run in it. So a module of this library runs in the precision
+// its nn.Linear counterpart would inside an autocast region, and activations of the region's dtype can meet fp32
+// parameters (without autocast that is a mixed-dtype error). What autocast leaves alone, these leave alone too: float64
+// tensors, tensors on another device type, the mask. Outside an autocast region these kernels are not called.
 //
 // The two experts of a projection held as one [2, R, C] tensor (DualLinear, DualExpertSwiGLU: text at [0], vision at
 // [1]) are cast as that one tensor and split again. The halves of the cast stay adjacent, so the kernels read them
-// through one descriptor, in the forward and in the paired backward kernel (which needs gate and up at the same
-// expert distance). Cast one by one, where the halves land is up to the allocator: the forward would stack them by
-// copy whenever the vision half lies below the text half, and the backward whenever the two projections' distances
-// differ. And the cast of a leaf parameter is cached for the autocast region, as for nn.Linear's weight. Gradients
-// flow back through the cast to the fp32 parameters.
+// through one descriptor, in the forward and in the paired backward kernel (which needs gate and up at the same expert
+// distance). Cast one by one, where the halves land is up to the allocator: the forward would stack them by copy
+// whenever the vision half lies below the text half, and the backward whenever the two projections' distances differ.
+// And the cast of a leaf parameter is cached for the autocast region, as for nn.Linear's weight. Gradients flow back
+// through the cast to the fp32 parameters.
 //
 // RoPE has no autocast kernel: it is elementwise (autocast leaves those ops alone), so it runs in its input's dtype.
 // The backward ops have none either: autograd calls them on the forward's cast tensors.

@@ -362,7 +362,8 @@ const Experts::Stacked& Experts::stacked() {
   if (st_) return *st_;
   const int64_t es = text_.element_size(), R = rows(), C = cols();
   const bool rows_ok = ld_ >= C && (ld_ * es) % 16 == 0 && aligned16(text_.data_ptr());
-  const intptr_t diff = single_ ? 0 : reinterpret_cast<intptr_t>(vision_.data_ptr()) - reinterpret_cast<intptr_t>(text_.data_ptr());
+  const intptr_t diff =
+      single_ ? 0 : reinterpret_cast<intptr_t>(vision_.data_ptr()) - reinterpret_cast<intptr_t>(text_.data_ptr());
   if (rows_ok && diff == 0) {  // one expert, or both experts are one tensor (tied weights): index 0 serves both
     st_ = Stacked{text_.data_ptr(), 1, R * ld_, ld_, 0};
     return *st_;
@@ -557,7 +558,8 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 }
 
 namespace {
-// The w_map argument of the unpaired gate/up kernels: each projection's expert order (kernels/gemm_tma.py _swiglu_step).
+// The w_map argument of the unpaired gate/up kernels: each projection's expert order (kernels/gemm_tma.py
+// _swiglu_step).
 int swiglu_map(const Experts::Stacked& gate, const Experts::Stacked& up) { return gate.map | up.map << 2; }
 
 // Gate and up in one MMA of 2 x BLOCK_N columns (routed_swiglu_pair_tma_kernel and its backward twin) where
@@ -601,7 +603,9 @@ std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& gate, Ex
     // The backward pairs whatever the weights' addresses (its unpaired path rounds gate and up to the input dtype:
     // the gradients would depend on where the weights lie, e.g. gate and up given as one tensor). Both projections in
     // one new [2, E, I, H] tensor, text first: a copy, only where the weights' own addresses cannot serve.
-    const auto experts = [](Experts& w) { return w.single() ? w.text().unsqueeze(0) : at::stack({w.text(), w.vision()}); };
+    const auto experts = [](Experts& w) {
+      return w.single() ? w.text().unsqueeze(0) : at::stack({w.text(), w.vision()});
+    };
     at::Tensor both = at::stack({experts(gate), experts(up)});  // contiguous, 16-byte aligned
     const int64_t E = both.size(1), I = gate.rows(), H = gate.cols();
     return Pair{pc, Experts::Stacked{both.data_ptr(), E, I * H, H, gate.single() ? 0 : 2}, E * I * H, false, both};
@@ -811,7 +815,8 @@ std::vector<VariantRequest> requestable_variants(int cc) {
     if (kConfigs[i].max_m >= 0) ms.insert({kConfigs[i].max_m, kConfigs[i].max_m + 1});
   for (bool aligned : {true, false}) {  // routing: no dtype
     for (int64_t m : ms)
-      if (one_block_size(m) > 0) out.insert({"routing_one_block_kernel", routing_one_block_key(aligned, one_block_size(m))});
+      if (one_block_size(m) > 0)
+        out.insert({"routing_one_block_kernel", routing_one_block_key(aligned, one_block_size(m))});
     out.insert({"routing_count_kernel", routing_count_key()});
     out.insert({"routing_scatter_kernel", routing_scatter_key(aligned)});
     out.insert({"routing_single_kernel", routing_single_key(aligned)});

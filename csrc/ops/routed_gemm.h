@@ -184,9 +184,9 @@ class Experts {
   // weights; `map` says which index holds which expert (kernels/gemm_tma.py _w_index: bit e = the index of expert e;
   // 2 = [text, vision], 1 = [vision, text], 0 = both experts are the one weight at index 0, also the single expert's).
   // Zero-copy, whichever expert lies lower in memory, when both bases and the row stride are 16-byte aligned and the
-  // experts are |vision - text| apart (a multiple of 16 bytes, rows not overlapping, below TMA's 2^40-byte stride limit)
-  // or the same tensor: views of one [2, R, C] tensor in either expert order, or two separate tensors. Otherwise the
-  // experts are stacked into a new [2, R, C] tensor: a copy of both weights per call (2*R*C elements), kept for the
+  // experts are |vision - text| apart (a multiple of 16 bytes, rows not overlapping, below TMA's 2^40-byte stride
+  // limit) or the same tensor: views of one [2, R, C] tensor in either expert order, or two separate tensors. Otherwise
+  // the experts are stacked into a new [2, R, C] tensor: a copy of both weights per call (2*R*C elements), kept for the
   // rest of the op (e.g. reused by the grad-input and the forward GEMMs of one call).
   struct Stacked {
     const void* base;
