@@ -258,13 +258,16 @@ def _gemm_variants() -> List[Variant]:
         fam = config_table.family(dt, prec)
         base = {"dtype": dt, "prec": prec}
 
-        # routed_linear_kernel (pointer loads): (GATHER_A, SCATTER_OUT, W_TRANSPOSED, HAS_BIAS) combinations used by
-        # linear_dual forward (with / without bias) and grad-input, and by the ffn down projection (A = h).
+        # routed_linear_kernel (pointer loads): (GATHER_A, SCATTER_OUT, W_TRANSPOSED, HAS_BIAS, HAS_RESIDUAL)
+        # combinations used by linear_dual forward (with / without bias) and grad-input, and by the ffn down
+        # projection (A = h; with the block's residual add or without). csrc/ops/routed_gemm.cpp kLinearFlags.
         args = runtime_args("kernels.gemm_pointer:routed_linear_kernel", dt)
         for cfg, archs in configs("routed_linear_kernel", fam):
-            for gather, scatter, wt, bias in ((1, 1, 0, 1), (1, 1, 0, 0), (1, 1, 1, 0), (0, 1, 0, 0)):
-                key = dict(base, gather=gather, scatter=scatter, wt=wt, bias=bias)
-                meta = _tile_meta(cfg, prec, HAS_BIAS=bias, GATHER_A=gather, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
+            for gather, scatter, wt, bias, res in ((1, 1, 0, 1, 0), (1, 1, 0, 0, 0), (1, 1, 1, 0, 0), (0, 1, 0, 0, 0),
+                                                   (0, 1, 0, 0, 1)):
+                key = dict(base, gather=gather, scatter=scatter, wt=wt, bias=bias, res=res)
+                meta = _tile_meta(cfg, prec, HAS_BIAS=bias, HAS_RESIDUAL=res, GATHER_A=gather, SCATTER_OUT=scatter,
+                                  W_TRANSPOSED=wt)
                 out += _both("kernels.gemm_pointer:routed_linear_kernel", key, args, meta, cfg, archs)
 
         # routed_swiglu_kernel (pointer loads): x gathered through perm -> expert-ordered h.
@@ -289,18 +292,20 @@ def _gemm_variants() -> List[Variant]:
         # routed_linear_tma_kernel (sm_90): A expert-ordered through a [BM, BK] descriptor, W stacked [E, R, C]
         # through a rank-3 descriptor ([1, BN, BK], or [1, BK, BN] when W_TRANSPOSED), and through one of half the
         # columns for the split last round (kernels/gemm_tiles.py _split_tail; compiled in where the config has
-        # "split"). (SCATTER_OUT, W_TRANSPOSED, HAS_BIAS): linear_dual forward / grad-input, ffn down projection, ffn
-        # backward (expert-ordered g, u, dh).
+        # "split"). (SCATTER_OUT, W_TRANSPOSED, HAS_BIAS, HAS_RESIDUAL): linear_dual forward / grad-input, ffn down
+        # projection (scattered, or in place for a single expert in token order; with or without the block's residual
+        # add), ffn backward (expert-ordered g, u, dh). csrc/ops/routed_gemm.cpp kLinearTmaFlags.
         for cfg, archs in configs("routed_linear_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            for scatter, wt, bias in ((1, 0, 1), (1, 0, 0), (1, 1, 0), (0, 0, 0), (0, 1, 0)):
+            for scatter, wt, bias, res in ((1, 0, 1, 0), (1, 0, 0, 0), (1, 1, 0, 0), (0, 0, 0, 0), (0, 1, 0, 0),
+                                           (1, 0, 0, 1), (0, 0, 0, 1)):
                 wblock = f"1, {bk}, {bn}" if wt else f"1, {bn}, {bk}"
                 hblock = f"1, {bk}, {bn // 2}" if wt else f"1, {bn // 2}, {bk}"
                 args = runtime_args("kernels.gemm_tma:routed_linear_tma_kernel", dt,
                                     {"a_desc": f"{bm}, {bk}", "w_desc": wblock, "wh_desc": hblock})
-                meta = _split_meta(cfg, prec, HAS_BIAS=bias, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
-                out += _both("kernels.gemm_tma:routed_linear_tma_kernel", dict(base, scatter=scatter, wt=wt, bias=bias),
-                             args, meta, cfg, archs)
+                meta = _split_meta(cfg, prec, HAS_BIAS=bias, HAS_RESIDUAL=res, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
+                out += _both("kernels.gemm_tma:routed_linear_tma_kernel",
+                             dict(base, scatter=scatter, wt=wt, bias=bias, res=res), args, meta, cfg, archs)
 
         # routed_linear_gather_tma_kernel (sm_90): the linear forward with A in token order, its rows gathered by
         # pointer loads inside the GEMM (no gather copy), W through TMA, rows scattered; with / without bias. It routes

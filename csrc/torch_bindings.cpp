@@ -52,13 +52,16 @@ TORCH_LIBRARY(fused, m) {
   // given, u* None): w1, w3 [2, I, H] and w2 [2, H, I] hold both experts, [0] text and [1] vision.
   // routing (dual expert only): route(mask), or None (the op routes mask itself). recompute (autograd only): False
   // saves the gate and up pre-activations for the backward (ffn_forward: 2 * I elements per token), True saves only
-  // the inputs and the backward computes gate and up again (two more GEMMs); the output is the same.
+  // the inputs and the backward computes gate and up again (two more GEMMs); the output is the same. residual: a
+  // tensor of x's shape added to the output in the down projection's epilogue (a transformer block's residual add,
+  // `residual + mlp(norm(residual))` in one kernel; its gradient is the output's).
   m.def("ffn(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, Tensor? u3=None, "
-        "Tensor? u2=None, bool allow_tf32=False, Tensor? routing=None, bool recompute=False) -> Tensor");
+        "Tensor? u2=None, bool allow_tf32=False, Tensor? routing=None, bool recompute=False, Tensor? residual=None) "
+        "-> Tensor");
   // ffn's output and gate_up, x.shape[:-1] + [2 * I]: the gate and up pre-activations x·w1ᵀ, x·w3ᵀ of each token's
   // own expert, in token order, what ffn_backward reads instead of recomputing them (ffn's autograd calls this).
   m.def("ffn_forward(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor? mask=None, Tensor? u1=None, Tensor? u3=None, "
-        "Tensor? u2=None, bool allow_tf32=False, Tensor? routing=None) -> (Tensor, Tensor)");
+        "Tensor? u2=None, bool allow_tf32=False, Tensor? routing=None, Tensor? residual=None) -> (Tensor, Tensor)");
   // Gradients of ffn: (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2) (slots named in csrc/ops/ffn.h
   // FfnGradSlot), the u gradients None for the single and the stacked expert (whose grad_w* are stacked too).
   // output_mask says which to compute, in that order; the others are returned undefined (None), and their work is

@@ -10,7 +10,8 @@ Conventions (experts, perm / seg, the generic GEMM with W_TRANSPOSED, SCATTER_OU
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import _add_bias, _gate_up_arg, _save_gate_up, _silu_mul, _store_tile, _tile_mn, _tile_rows
+from kernels.gemm_tiles import (_add_bias, _add_residual, _gate_up_arg, _save_gate_up, _silu_mul, _store_tile, _tile_mn,
+                                _tile_rows)
 from kernels.pdl import grid_dependency_sync
 
 
@@ -40,9 +41,10 @@ def _b_ptrs(w_ptr, offs_k, offs_n, stride_w, W_TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def routed_linear_kernel(a_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr,
+def routed_linear_kernel(a_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, seg_ptr,
                          M_pad, N, K, stride_am, stride_w, stride_om,
-                         HAS_BIAS: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATHER_A: tl.constexpr,
+                         SCATTER_OUT: tl.constexpr,
                          W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
@@ -77,6 +79,9 @@ def routed_linear_kernel(a_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, p
                             INPUT_PRECISION, BLOCK_K)
         if HAS_BIAS:
             acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+        if HAS_RESIDUAL:  # res_ptr: out's layout and row stride (kernels/gemm_tiles.py _add_residual)
+            acc = _add_residual(acc, res_ptr, perm_ptr, row0, row0 + BLOCK_M, offs_n, N, stride_om, SCATTER_OUT,
+                                BLOCK_M)
         _store_tile(out_ptr, acc, perm_ptr, row0, row0 + BLOCK_M, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
 
 
@@ -142,14 +147,17 @@ def _grid_mn(M_pad, N, BM, BN):
 
 def launch_routed_linear(a, w0, w1, bias0, bias1, out, perm, seg, N, K, *, gather_a=True, scatter_out=True,
                          w_transposed=False, input_precision="tf32", BM=128, BN=128, BK=64, GROUP_M=8,
-                         num_warps=8, num_stages=3):
+                         num_warps=8, num_stages=3, residual=None):
+    """residual: None, or a tensor of out's shape and strides added in the epilogue."""
     M_pad = perm.shape[0]
     has_bias = bias0 is not None
     if not has_bias:
         bias0 = bias1 = w0
+    assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
     grid = _grid_mn(M_pad, N, BM, BN)
-    routed_linear_kernel[grid](a, w0, w1, bias0, bias1, out, perm, seg, M_pad, N, K, a.stride(0), w0.stride(0),
-                               out.stride(0), HAS_BIAS=has_bias, GATHER_A=gather_a, SCATTER_OUT=scatter_out,
+    routed_linear_kernel[grid](a, w0, w1, bias0, bias1, out, out if residual is None else residual, perm, seg, M_pad,
+                               N, K, a.stride(0), w0.stride(0), out.stride(0), HAS_BIAS=has_bias,
+                               HAS_RESIDUAL=residual is not None, GATHER_A=gather_a, SCATTER_OUT=scatter_out,
                                W_TRANSPOSED=w_transposed, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
                                BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
     return out

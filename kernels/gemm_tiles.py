@@ -241,3 +241,18 @@ def _gate_up_arg(gate_up, h):
     if gate_up is None:
         return h, 0, False
     return gate_up, gate_up.stride(0), True
+
+
+@triton.jit
+def _add_residual(acc, res_ptr, perm_ptr, row0, row_hi, offs_n, N, stride_m, SCATTER_OUT: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """acc + residual at the rows _store_tile writes (res_ptr: a tensor of out's layout and row stride), in fp32: the
+    residual add of a transformer block in the GEMM's epilogue, one rounding instead of two and no extra pass."""
+    if SCATTER_OUT:
+        rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
+        ptrs = res_ptr + rows[:, None] * stride_m + offs_n[None, :]
+        r = tl.load(ptrs, mask=valid[:, None] & (offs_n[None, :] < N), other=0.0)
+    else:
+        off, ok = _ordered_offsets(row0, row_hi, offs_n, N, stride_m, BLOCK_M)
+        r = tl.load(res_ptr + off, mask=ok, other=0.0)
+    return acc + r.to(tl.float32)

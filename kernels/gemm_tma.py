@@ -15,7 +15,7 @@ Conventions (experts, perm / seg, the generic GEMM with W_TRANSPOSED, SCATTER_OU
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import (_add_bias, _gate_up_arg, _half_tile_at, _ordered_offsets, _row_tiles, _save_gate_up,
+from kernels.gemm_tiles import (_add_bias, _add_residual, _gate_up_arg, _half_tile_at, _ordered_offsets, _row_tiles, _save_gate_up,
                                 _silu_mul, _split_tail, _store_tile, _tile_at, _walk_tiles)
 from kernels.pdl import grid_dependency_sync
 from kernels.swiglu_backward import swiglu_grads
@@ -55,24 +55,27 @@ def _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED: tl.constexp
 
 
 @triton.jit
-def _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
-                     stride_om, w_map, HAS_BIAS: tl.constexpr, SCATTER_OUT: tl.constexpr, W_TRANSPOSED: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+def _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
+                     K, stride_om, w_map, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     SCATTER_OUT: tl.constexpr, W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One output tile of routed_linear_tma_kernel: rows [row0, row_hi) of A through a_desc, columns offs_n =
-    n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide; w_map: _w_index), bias, store."""
+    n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide; w_map: _w_index), bias, residual,
+    store."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc = _tma_mainloop(acc, a_desc, w_desc, _w_index(e, w_map), row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N,
                         BLOCK_K)
     if HAS_BIAS:
         acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+    if HAS_RESIDUAL:
+        acc = _add_residual(acc, res_ptr, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
     _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
 
 
 @triton.jit
-def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr,
+def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr,
                              seg_ptr, one_rows, N, K, stride_om, w_map,
-                             HAS_BIAS: tl.constexpr, SCATTER_OUT: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCATTER_OUT: tl.constexpr,
                              W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr,
@@ -85,7 +88,8 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
     row tiles of _row_tiles x cdiv(N, BN): with SCATTER_OUT only the tiles that hold rows, else every tile below
     end = seg[2] (an expert-ordered output is written up to end, padding rows included). one_rows > 0 (with
     SCATTER_OUT = False): one expert, rows in token order, no perm / seg (_walk_tiles). w_map: the experts' order
-    along w_desc's first dimension (_w_index)."""
+    along w_desc's first dimension (_w_index). HAS_RESIDUAL: out = A·Wᵀ (+ bias) + residual, res_ptr of out's
+    layout and row stride (the ffn down projection's residual add)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -97,14 +101,15 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
     for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
-        _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
-                         stride_om, w_map, HAS_BIAS, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0, offs_n,
+                         N, K, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION,
+                         BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_TAIL and pid < 2 * tail:
         row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
                                                     BLOCK_N, GROUP_M)
-        _tma_linear_tile(a_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
-                         stride_om, w_map, HAS_BIAS, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2,
-                         BLOCK_K)
+        _tma_linear_tile(a_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
+                         offs_n, N, K, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, W_TRANSPOSED,
+                         INPUT_PRECISION, BLOCK_M, BLOCK_N // 2, BLOCK_K)
 
 
 @triton.jit
@@ -249,7 +254,7 @@ def _tile_rows_arg(perm, seg, one_rows, out):
 def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, scatter_out=True,
                              w_transposed=False, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
                              num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, one_rows=0,
-                             SPLIT_TAIL=False, w_map=2):
+                             SPLIT_TAIL=False, w_map=2, residual=None):
     """a_pad [M_pad, K] expert-ordered; w_stacked [2, N, K] (or [2, K, N] when w_transposed), experts in the order
     w_map says (_w_index: 2 text first, 1 vision first, 0 one weight for both). one_rows > 0: one expert of one_rows
     rows in token order, perm / seg unused (may be None), scatter_out must be False."""
@@ -266,8 +271,10 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
         bias0 = bias1 = out
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_linear_tma_kernel[grid](a_desc, w_desc, wh_desc, bias0, bias1, out, perm, seg, one_rows, N, K,
-                                   out.stride(0), w_map, HAS_BIAS=has_bias, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
+    assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
+    routed_linear_tma_kernel[grid](a_desc, w_desc, wh_desc, bias0, bias1, out, out if residual is None else residual,
+                                   perm, seg, one_rows, N, K, out.stride(0), w_map, HAS_BIAS=has_bias,
+                                   HAS_RESIDUAL=residual is not None, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                    GROUP_M=GROUP_M, FLATTEN=FLATTEN, SPLIT_TAIL=SPLIT_TAIL, num_warps=num_warps,
                                    num_stages=num_stages)

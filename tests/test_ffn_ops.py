@@ -176,6 +176,66 @@ def test_backward_matrix(device, mask_kind, dtype, recompute):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("shape_key", ["m1", "m37", "odd", "m128al"])
+@pytest.mark.parametrize("mask_kind", ["single", "random", "stacked"])
+def test_residual(device, mask_kind, shape_key, dtype):
+    """residual: out = ffn(x) + residual, added in the down projection's epilogue before the one rounding, against the
+    float64 reference; its gradient is the output's, and the other gradients are those without it. Every CUDA path of
+    the down projection: TMA scattered (dual), TMA in place (single, m128al / m37), pointer ("odd": H, I not multiples
+    of 16 bytes). The residual is a strided view, and an expanded one must be read as it is."""
+    M, H, I = SHAPES[shape_key]  # noqa: E741
+    dual = mask_kind != "single"
+    x = strided_view((M,), H, dtype, device)
+    res = strided_view((M,), H, dtype, device, "sliced")
+    mask = make_mask("random", (M,), device) if dual else None
+    w = make_weights(H, I, dtype, device, dual)
+    if mask_kind == "stacked":
+        args = (torch.stack([w["u1"], w["w1"]]), torch.stack([w["u3"], w["w3"]]), torch.stack([w["u2"], w["w2"]]),
+                mask)
+    else:
+        args = op_args(w, mask)
+    ref = ffn_reference(x, *op_args(w, mask)) + res.double()
+    poison_allocator(device, M * max(H, I) * x.element_size())
+    check_out(OPS.ffn(x, *args, residual=res), ref, (M, H), dtype, device, TOL[dtype])
+    # gradients: leaves x, weights, residual; the residual's gradient is exactly the upstream gradient
+    lx, lr = x.detach().clone().requires_grad_(True), res.detach().clone().requires_grad_(True)
+    lw = [a.detach().clone().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() else a
+          for a in args]
+    g = torch.randn(M, H, device=device).to(dtype)
+    out = OPS.ffn(lx, *lw, residual=lr)
+    out.backward(g)
+    assert torch.equal(lr.grad, g)
+    lx2 = x.detach().clone().requires_grad_(True)
+    lw2 = [a.detach().clone().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() else a
+           for a in args]
+    OPS.ffn(lx2, *lw2).backward(g)
+    assert torch.equal(lx.grad, lx2.grad)
+    for a, b in zip(lw, lw2):
+        if torch.is_tensor(a) and a.requires_grad:
+            assert torch.equal(a.grad, b.grad)
+    # the functional wrapper and an expanded (stride-0) residual, read as it is
+    row = torch.randn(H, device=device).to(dtype)
+    expanded = row.expand(M, H)
+    check_out(ffn(x, *args, residual=expanded), ffn_reference(x, *op_args(w, mask)) + row.double(), (M, H), dtype,
+              device, TOL[dtype], what="expanded residual")
+
+
+def test_residual_errors(device):
+    M, H, I = 8, 16, 24  # noqa: E741
+    x = torch.randn(M, H, device=device)
+    w = make_weights(H, I, torch.float32, device, dual=False)
+    for bad, what in ((torch.randn(M, H + 1, device=device), "shape"), (torch.randn(M, device=device), "shape"),
+                      (torch.randn(M, H, device=device, dtype=torch.float16), "dtype")):
+        with pytest.raises(ERR, match="residual"):
+            OPS.ffn(x, *op_args(w, None), residual=bad)
+    with pytest.raises(ERR, match="residual"):
+        OPS.ffn_forward(x, *op_args(w, None), residual=torch.randn(M + 1, H, device=device))
+    if device != "cpu":
+        with pytest.raises(ERR, match="residual"):
+            OPS.ffn(x, *op_args(w, None), residual=torch.randn(M, H))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
 @pytest.mark.parametrize("shape_key", list(SHAPES))
 @pytest.mark.parametrize("mask_kind", ["single", "random", "span", "all_true"])
 def test_ffn_forward_saves_gate_up(device, mask_kind, shape_key, dtype):
@@ -901,9 +961,12 @@ def _opcheck_samples(op_name):
             ((mk(M, H), *ws(True)), dict(mask=mask, u1=mk(I, H), u3=mk(I, H), u2=mk(H, I, rg=True))),
             ((mk(M, H, rg=True), *ws(True)), dict(recompute=True)),
             ((mk(M, H, rg=True), mk(2, I, H, rg=True), mk(2, I, H, rg=True), mk(2, H, I, rg=True), mask), {}),
+            ((mk(M, H, rg=True), *ws(True)), dict(residual=mk(M, H, rg=True))),
+            ((mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), dict(residual=mk(2, 3, H, rg=True))),
         ]
     if op_name == "ffn_forward":
-        return [((mk(M, H), *ws()), {}), ((mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), {})]
+        return [((mk(M, H), *ws()), {}), ((mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), {}),
+                ((mk(M, H), *ws()), dict(residual=mk(M, H)))]
     return [((mk(M, H), mk(M, H), mk(2, I, H), mk(2, I, H), mk(2, H, I), mask), dict(gate_up=mk(M, 2 * I))),
             ((mk(M, H), mk(M, H), *ws()), dict(gate_up=mk(M, 2 * I))),
             ((mk(2, 3, H), mk(2, 3, H), *ws(), mask.reshape(2, 3), *ws()), dict(gate_up=mk(2, 3, 2 * I))),

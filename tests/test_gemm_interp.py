@@ -316,6 +316,39 @@ def test_ffn_tma(dtype, kind):
     assert rel_err(out, ref) < 3 * TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["pointer", "tma", "tma_in_place"])
+def test_down_projection_residual(dtype, path):
+    """HAS_RESIDUAL (the ffn down projection's residual add): out = h·W2_eᵀ + residual, the residual read at the rows
+    the epilogue writes. pointer: expert-ordered h scattered to token rows (aligned routing); tma: the same on the TMA
+    kernel; tma_in_place: one expert in token order (one_rows), no perm. Rows the GEMM skips must stay untouched
+    (NaN poison around the output), so the residual is read only where out is written."""
+    M, H, I = 37, 40, 24
+    gen = torch.Generator().manual_seed(21)
+    mask = make_mask("random", M, gen) if path != "tma_in_place" else torch.zeros(M, dtype=torch.bool)
+    w2 = rnd(gen, 2, H, I, dtype=dtype)
+    hx = rnd(gen, M, I, dtype=dtype)  # the intermediate, token order
+    residual = rnd(gen, M, H, dtype=dtype)
+    out_all = torch.full((M + 8, H), float("nan"), dtype=dtype)
+    out = out_all[:M]
+    if path == "tma_in_place":
+        launch_routed_linear_tma(hx, w2[:1], None, None, out, None, None, scatter_out=False, input_precision=prec(dtype),
+                                 num_programs=3, one_rows=M, residual=residual, **T)
+    else:
+        perm, seg = route(mask, align=ALIGN)
+        h = gathered(hx, perm, perm.shape[0])  # expert-ordered
+        if path == "pointer":
+            launch_routed_linear(h, w2[0], w2[1], None, None, out, perm, seg, H, I, gather_a=False, scatter_out=True,
+                                 input_precision=prec(dtype), residual=residual, **T)
+        else:
+            launch_routed_linear_tma(h, w2, None, None, out, perm, seg, input_precision=prec(dtype), num_programs=3,
+                                     residual=residual, **T)
+    w_tok = torch.where(mask[:, None, None], w2[1].double()[None], w2[0].double()[None])  # [M, H, I]
+    ref = torch.einsum("mi,mhi->mh", hx.double(), w_tok) + residual.double()
+    assert rel_err(out, ref) < 3 * TOL[dtype]
+    assert torch.isnan(out_all[M:]).all()
+
+
 @pytest.mark.parametrize("kind", ["random", "all_true", "all_false"])
 def test_tma_row_tiles(kind):
     """Row tiles smaller than the routing alignment (BM = 16, ALIGN = 64): scattered outputs and h are computed only

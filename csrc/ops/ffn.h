@@ -63,6 +63,9 @@ FfnGeometry check_ffn_backward_inputs(const at::Tensor& grad_out, const at::Tens
 // pre-activations). Checks its shape, dtype and device (the _symint one for the Meta kernels).
 void check_gate_up_symint(const at::Tensor& gate_up, const at::Tensor& x, const c10::SymInt& I, const char* op);
 void check_gate_up(const at::Tensor& gate_up, const at::Tensor& x, int64_t I, const char* op);
+// ffn's residual: x's shape, dtype and device (the _symint one for the Meta kernels); nothing when absent.
+void check_residual_symint(const std::optional<at::Tensor>& residual, const at::Tensor& x);
+void check_residual(const std::optional<at::Tensor>& residual, const at::Tensor& x);
 
 // (grad_x, grad_w1, grad_w3, grad_w2, grad_u1, grad_u3, grad_u2); the u gradients are undefined for the single and the
 // stacked expert (whose grad_w* hold both experts).
@@ -95,23 +98,28 @@ int ffn_grad_slot(const G& geo, int expert, int proj) {
 // The ops' signatures (csrc/torch_bindings.cpp), for calls through the dispatcher: .typed<FfnOp>(). ffn's
 // `recompute` is read only by its autograd (csrc/ops/ffn_autograd.cpp): the backends compute the same output.
 using FfnOp = at::Tensor(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing,
-                         bool recompute);
+                         bool recompute, const std::optional<at::Tensor>& residual);
 using FfnForwardOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& x, FUSED_FFN_ARGS,
-                                                        const std::optional<at::Tensor>& routing);
+                                                        const std::optional<at::Tensor>& routing,
+                                                        const std::optional<at::Tensor>& residual);
 using FfnBackwardOp = FfnGrads(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS,
                                FfnOutputMask output_mask, const std::optional<at::Tensor>& routing,
                                const std::optional<at::Tensor>& gate_up);
 
 // CPU: the ATen reference (each token only through its own expert; math in fp32, fp64 for fp64 inputs).
-at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute);
+at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute,
+                   const std::optional<at::Tensor>& residual);
 std::tuple<at::Tensor, at::Tensor> ffn_forward_cpu(const at::Tensor& x, FUSED_FFN_ARGS,
-                                                   const std::optional<at::Tensor>& routing);
+                                                   const std::optional<at::Tensor>& routing,
+                                                   const std::optional<at::Tensor>& residual);
 FfnGrads ffn_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask,
                           const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& gate_up);
 // CUDA: routing + the routed GEMM kernels (csrc/ops/routed_gemm.h).
-at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute);
+at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute,
+                    const std::optional<at::Tensor>& residual);
 std::tuple<at::Tensor, at::Tensor> ffn_forward_cuda(const at::Tensor& x, FUSED_FFN_ARGS,
-                                                    const std::optional<at::Tensor>& routing);
+                                                    const std::optional<at::Tensor>& routing,
+                                                    const std::optional<at::Tensor>& residual);
 FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS, FfnOutputMask output_mask,
                            const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& gate_up);
 

@@ -46,8 +46,10 @@ void put_rows(at::Tensor& dst, const at::Tensor& rows, const at::Tensor& src) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> ffn_forward_cpu(const at::Tensor& x, FUSED_FFN_ARGS,
-                                                   const std::optional<at::Tensor>& routing) {
+                                                   const std::optional<at::Tensor>& routing,
+                                                   const std::optional<at::Tensor>& residual) {
   const FfnGeometry g = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2, routing);
+  check_residual(residual, x);
   if (present(routing)) check_routing_of_mask(*routing, *mask, "ffn");  // the CPU routes from the mask
   const auto ct = compute_type(x.scalar_type());
   const at::Tensor xr = x.reshape({g.M, g.H}).to(ct);
@@ -60,12 +62,14 @@ std::tuple<at::Tensor, at::Tensor> ffn_forward_cpu(const at::Tensor& x, FUSED_FF
     put_rows(out, e.rows, (at::silu(gate) * up).matmul(e.w2.t()));
     put_rows(gate_up, e.rows, at::cat({gate, up}, 1));
   }
+  if (present(residual)) out.add_(residual->reshape({g.M, g.H}).to(ct));  // before the one rounding, as on CUDA
   return {out.to(x.scalar_type()).reshape(x.sizes()), gate_up.to(x.scalar_type()).reshape(with_last(x, 2 * g.I))};
 }
 
-at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute) {
+at::Tensor ffn_cpu(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute,
+                   const std::optional<at::Tensor>& residual) {
   (void)recompute;
-  return std::get<0>(ffn_forward_cpu(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing));
+  return std::get<0>(ffn_forward_cpu(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, residual));
 }
 
 // gate_up (ffn_forward's): gate and up are read from it, as the CUDA backward does, instead of recomputed.

@@ -76,13 +76,19 @@ Projections projections(const FfnGeometry& geo, FUSED_FFN_ARGS) {
   return {routed::Experts(*u1, w1, false), routed::Experts(*u3, w3, false), routed::Experts(*u2, w2, false)};
 }
 
-// ffn's output, and with `save` gate_up (ffn_forward).
+// ffn's output (+ residual, added in the down projection's epilogue), and with `save` gate_up (ffn_forward).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, FUSED_FFN_ARGS,
-                                           const std::optional<at::Tensor>& routing, bool save) {
+                                           const std::optional<at::Tensor>& routing,
+                                           const std::optional<at::Tensor>& residual, bool save) {
   check_all_cuda(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
+  if (present(residual)) check_cuda(*residual, "residual", kOp);
   const FfnGeometry geo = check_ffn_inputs(x, w1, w3, w2, mask, u1, u3, u2, routing);
+  check_residual(residual, x);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({geo.M, geo.H}, x.options());
+  // The residual's rows in out's layout ([M, H], row stride H): the epilogue reads it where it writes out.
+  at::Tensor res;
+  if (present(residual)) res = as_rows(*residual).contiguous();
   at::Tensor gate_up = save ? at::empty({geo.M, 2 * geo.I}, x.options()) : at::Tensor();
   const auto result = [&]() -> std::tuple<at::Tensor, at::Tensor> {
     return {out.view(x.sizes()), save ? gate_up.view(with_last(x, 2 * geo.I)) : gate_up};
@@ -92,7 +98,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, FUSED_FFN_ARGS,
     return result();
   }
   if (geo.I == 0) {
-    out.zero_();
+    if (res.defined()) out.copy_(res);
+    else out.zero_();
     return result();
   }
 
@@ -116,19 +123,21 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, FUSED_FFN_ARGS,
   at::Tensor h = at::empty({r.rows(), geo.I}, x.options());
   routed::swiglu(g, r, routed::tokens(xr), p.gate, p.up, h, tma, /*gather_into=*/out, gate_up);
   routed::linear(g, r, routed::ordered(h), p.down, at::Tensor(), at::Tensor(), routed::tokens(out),
-                 /*w_transposed=*/false, tma);
+                 /*w_transposed=*/false, tma, res);
   return result();
 }
 }  // namespace
 
-at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute) {
+at::Tensor ffn_cuda(const at::Tensor& x, FUSED_FFN_ARGS, const std::optional<at::Tensor>& routing, bool recompute,
+                    const std::optional<at::Tensor>& residual) {
   (void)recompute;
-  return std::get<0>(forward(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, /*save=*/false));
+  return std::get<0>(forward(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, residual, /*save=*/false));
 }
 
 std::tuple<at::Tensor, at::Tensor> ffn_forward_cuda(const at::Tensor& x, FUSED_FFN_ARGS,
-                                                    const std::optional<at::Tensor>& routing) {
-  return forward(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, /*save=*/true);
+                                                    const std::optional<at::Tensor>& routing,
+                                                    const std::optional<at::Tensor>& residual) {
+  return forward(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, residual, /*save=*/true);
 }
 
 FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSED_FFN_ARGS,

@@ -105,6 +105,17 @@ void check_gate_up(const at::Tensor& gate_up, const at::Tensor& x, int64_t I, co
   check_gate_up_symint(gate_up, x, c10::SymInt(I), op);
 }
 
+void check_residual_symint(const std::optional<at::Tensor>& residual, const at::Tensor& x) {
+  if (!present(residual)) return;
+  check_like(*residual, "residual", x, "x", kOp);
+  TORCH_SYM_CHECK(sym_equal(residual->sym_sizes(), x.sym_sizes()), kOp, ": residual must have x's shape ",
+                  x.sym_sizes(), " (the block's input that the output is added to), got ", residual->sym_sizes());
+}
+
+void check_residual(const std::optional<at::Tensor>& residual, const at::Tensor& x) {
+  check_residual_symint(residual, x);
+}
+
 FfnGeometry check_ffn_inputs(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
                              const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& u1,
                              const std::optional<at::Tensor>& u3, const std::optional<at::Tensor>& u2,
@@ -125,16 +136,20 @@ FfnGeometry check_ffn_backward_inputs(const at::Tensor& grad_out, const at::Tens
 namespace {
 using at::Tensor;
 
-Tensor fwd(const Tensor& x, FUSED_FFN_ARGS, const std::optional<Tensor>& routing, bool recompute) {
+Tensor fwd(const Tensor& x, FUSED_FFN_ARGS, const std::optional<Tensor>& routing, bool recompute,
+           const std::optional<Tensor>& residual) {
   (void)allow_tf32;
   (void)recompute;
   fused::check_ffn_inputs_symint(x, w1, w3, w2, mask, u1, u3, u2, routing);
+  fused::check_residual_symint(residual, x);
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
-std::tuple<Tensor, Tensor> fwd_saving(const Tensor& x, FUSED_FFN_ARGS, const std::optional<Tensor>& routing) {
+std::tuple<Tensor, Tensor> fwd_saving(const Tensor& x, FUSED_FFN_ARGS, const std::optional<Tensor>& routing,
+                                      const std::optional<Tensor>& residual) {
   (void)allow_tf32;
   const auto g = fused::check_ffn_inputs_symint(x, w1, w3, w2, mask, u1, u3, u2, routing);
+  fused::check_residual_symint(residual, x);
   return {at::empty_symint(x.sym_sizes(), x.options()),
           at::empty_symint(fused::with_last_symint(x, g.I * 2), x.options())};
 }

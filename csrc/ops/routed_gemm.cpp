@@ -75,21 +75,23 @@ int bits(std::initializer_list<bool> flags) {
 }
 std::string align_str(bool aligned) { return std::to_string(aligned ? kAlign : 1); }
 
-// routed_linear_kernel (gather, scatter, wt, bias): linear_dual forward with / without bias, its grad-input (and the
-// pointer ffn backward's, all in token order), the ffn down projection (A = expert-ordered h).
-constexpr std::array<int, 4> kLinearFlags = {0b1101, 0b1100, 0b1110, 0b0100};
-std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, bool bias, const KernelConfig& c) {
-  return listed_key(kLinearFlags, bits({gather, scatter, wt, bias}), "routed_linear_kernel",
+// routed_linear_kernel (gather, scatter, wt, bias, res): linear_dual forward with / without bias, its grad-input (and
+// the pointer ffn backward's, all in token order), the ffn down projection (A = expert-ordered h) with / without the
+// residual add.
+constexpr std::array<int, 5> kLinearFlags = {0b11010, 0b11000, 0b11100, 0b01000, 0b01001};
+std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, bool bias, bool res, const KernelConfig& c) {
+  return listed_key(kLinearFlags, bits({gather, scatter, wt, bias, res}), "routed_linear_kernel",
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"scatter", flag(scatter)},
-                              {"wt", flag(wt)}, {"bias", flag(bias)}, {"cfg", c.cfg}}));
+                              {"wt", flag(wt)}, {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg}}));
 }
-// routed_linear_tma_kernel (scatter, wt, bias): the same with expert-ordered A, and the ffn backward's
-// expert-ordered outputs (not scattered).
-constexpr std::array<int, 5> kLinearTmaFlags = {0b101, 0b100, 0b110, 0b000, 0b010};
-std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, bool bias, const KernelConfig& c) {
-  return listed_key(kLinearTmaFlags, bits({scatter, wt, bias}), "routed_linear_tma_kernel",
+// routed_linear_tma_kernel (scatter, wt, bias, res): the same with expert-ordered A, the ffn backward's expert-ordered
+// outputs (not scattered), and the ffn down projection into token-order rows (scattered, or in place for a single
+// expert read in place) with / without the residual add.
+constexpr std::array<int, 7> kLinearTmaFlags = {0b1010, 0b1000, 0b1100, 0b0000, 0b0100, 0b1001, 0b0001};
+std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, bool bias, bool res, const KernelConfig& c) {
+  return listed_key(kLinearTmaFlags, bits({scatter, wt, bias, res}), "routed_linear_tma_kernel",
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", flag(scatter)}, {"wt", flag(wt)},
-                              {"bias", flag(bias)}, {"cfg", c.cfg}}));
+                              {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg}}));
 }
 // The token-order gather GEMMs also route a deferred routing: route = its one-block size, 0 when routed already.
 std::string linear_gather_tma_key(const Gemm& g, bool bias, const KernelConfig& c, int64_t route, bool aligned) {
@@ -487,7 +489,7 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
 }
 
 void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0,
-            const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma) {
+            const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma, const at::Tensor& residual) {
   const int64_t n = w_transposed ? w.cols() : w.rows();  // output columns
   const int64_t k = w_transposed ? w.rows() : w.cols();  // reduction length
   check_rows(r, a, k, "A");
@@ -502,9 +504,15 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   if (has_bias)
     TORCH_INTERNAL_ASSERT(bias0.numel() == n && bias1.numel() == n && (n <= 1 || (bias0.stride(0) == 1 &&
                                                                                    bias1.stride(0) == 1)));
+  const bool has_res = residual.defined();
+  TORCH_INTERNAL_ASSERT(!has_res || (a.expert_ordered && !out.expert_ordered && !w_transposed && !has_bias &&
+                                     residual.sizes() == out.t.sizes() && residual.strides() == out.t.strides() &&
+                                     residual.scalar_type() == out.t.scalar_type()),
+                        "routed GEMM: a residual is added to the forward from expert-ordered A into token-order rows");
   // Unused pointer arguments get the (16-byte aligned) perm so that they never block the aligned variant.
   const void* b0 = has_bias ? bias0.data_ptr() : perm_arg(r, out.t);
   const void* b1 = has_bias ? bias1.data_ptr() : perm_arg(r, out.t);
+  const void* res = has_res ? residual.data_ptr() : perm_arg(r, out.t);
   KernelArgs args;
   if (tma && !a.expert_ordered && !r.single && !out.expert_ordered && !w_transposed) {
     // Token-order A into scattered rows (the linear_dual forward): gathering A's rows inside the GEMM saves the
@@ -538,21 +546,22 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     args.tensor(ap.data_ptr(), {ap.size(0), k}, {ap.stride(0), 1})
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})  // wh_desc, as above
-        .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(perm_arg(r, out.t)).ptr(seg_arg(r, out.t))
+        .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(res).ptr(perm_arg(r, out.t)).ptr(seg_arg(r, out.t))
         .i32(one_rows(r)).i32(n).i32(k).i32(out.t.stride(0)).i32(st.map);
     const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(n, c.block[1]);  // persistent: any grid >= 1 covers all
     // An identity routing's token order is its expert order: its rows are written in place, not scattered.
     const bool scatter = !out.expert_ordered && !r.identity;
-    launch_on_current_stream("routed_linear_tma_kernel", linear_tma_key(g, scatter, w_transposed, has_bias, c),
+    launch_on_current_stream("routed_linear_tma_kernel", linear_tma_key(g, scatter, w_transposed, has_bias, has_res, c),
                              args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
   } else {
     TORCH_INTERNAL_ASSERT(!r.identity);
     const KernelConfig& c = config(g, "routed_linear_kernel", r.M);
     args.ptr(a.t.data_ptr()).ptr(w.text().data_ptr()).ptr(w.vision().data_ptr()).ptr(b0).ptr(b1).ptr(out.t.data_ptr())
-        .ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+        .ptr(res).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(w.ld()).i32(out.t.stride(0));
     launch_on_current_stream("routed_linear_kernel",
-                             linear_key(g, !a.expert_ordered, !out.expert_ordered, w_transposed, has_bias, c), args,
+                             linear_key(g, !a.expert_ordered, !out.expert_ordered, w_transposed, has_bias, has_res, c),
+                             args,
                              grid((r.M_pad / c.block[0]) * cdiv(n, c.block[1])), out.t);
   }
 }
@@ -849,7 +858,8 @@ std::vector<VariantRequest> requestable_variants(int cc) {
       };
       const int64_t routes[] = {0, one_block_size(m)};  // the token-order GEMMs' ROUTE_BLOCK (0: routed already)
       if (const KernelConfig* c = cfg("routed_linear_kernel"))
-        for (int f : kLinearFlags) out.insert({"routed_linear_kernel", linear_key(g, f & 8, f & 4, f & 2, f & 1, *c)});
+        for (int f : kLinearFlags)
+          out.insert({"routed_linear_kernel", linear_key(g, f & 16, f & 8, f & 4, f & 2, f & 1, *c)});
       if (const KernelConfig* c = cfg("routed_swiglu_kernel"))
         for (bool save : {false, true}) out.insert({"routed_swiglu_kernel", swiglu_key(g, save, *c)});
       if (const KernelConfig* c = cfg("routed_grad_weight_kernel"))
@@ -857,7 +867,7 @@ std::vector<VariantRequest> requestable_variants(int cc) {
       if (!tma) continue;
       if (const KernelConfig* c = cfg("routed_linear_tma_kernel"))
         for (int f : kLinearTmaFlags)
-          out.insert({"routed_linear_tma_kernel", linear_tma_key(g, f & 4, f & 2, f & 1, *c)});
+          out.insert({"routed_linear_tma_kernel", linear_tma_key(g, f & 8, f & 4, f & 2, f & 1, *c)});
       if (const KernelConfig* c = cfg("routed_grad_weight_tma_kernel"))
         out.insert({"routed_grad_weight_tma_kernel", grad_weight_tma_key(g, *c)});
       if (const KernelConfig* c = optional_cfg("routed_linear_gather_tma_kernel"))

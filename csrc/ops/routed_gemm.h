@@ -236,8 +236,12 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
 // expert, whose token order is the expert order: then a is read in place when TMA can address it); else the pointer kernel
 // (a gathered through perm when in token order). bias0/bias1: both defined or both undefined, [N], dtype of a.
 // Rows [end, M_pad) of an expert-ordered out are not written; its other padding rows get bias_e (0 without bias).
+// residual, when defined: added in the epilogue (out = a · W_eᵀ + residual, one rounding), a tensor of out's shape and
+// row stride (unit inner stride), read at the rows out is written; the forward with token-order out only, no bias (the
+// ffn down projection: a transformer block's residual add).
 void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0,
-            const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma);
+            const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma,
+            const at::Tensor& residual = at::Tensor());
 
 // h = silu(a · W1_eᵀ) * (a · W3_eᵀ) into an expert-ordered h [r.rows(), I]; a [., H]; W1_e, W3_e [I, H]. Rows of h
 // that belong to no token are not written.

@@ -36,8 +36,9 @@ def ffn(
     allow_tf32: bool = False,
     routing: Optional[torch.Tensor] = None,
     recompute: bool = False,
+    residual: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """SwiGLU MLP `w2(silu(w1 x) * w3 x)`, optionally routed per token between two experts.
+    """SwiGLU MLP `w2(silu(w1 x) * w3 x)` (`+ residual`), optionally routed per token between two experts.
 
     Single expert: leave `mask`, `u1`, `u3`, `u2` all None. Dual expert: give all four; token `i` goes through
     (w1, w3, w2) where `mask[i]` is true (vision) and through (u1, u3, u2) elsewhere (text). Anything in between
@@ -71,12 +72,15 @@ def ffn(
             routes nothing and allocates nothing beside the intermediate), or None: the op routes `mask` itself.
             See `fused_ops.route`.
         recompute: see above (autograd only; the output does not depend on it).
+        residual: None, or a tensor of x's shape, dtype and device added to the output in the down projection's
+            epilogue (fp32, one rounding): a transformer block's `h + mlp(norm(h))` without a separate add kernel.
+            Its gradient is the output's.
     Returns a new contiguous `[..., H]` tensor of x's dtype. The intermediate `silu(x w1ᵀ) * (x w3ᵀ)` is computed in
     fp32 and stored once in x's dtype before the down projection (as an unfused bf16 MLP would).
     Inside `torch.autocast` the floating-point inputs are first cast to the region's dtype, as for
     `torch.nn.functional.linear` (the result then has that dtype; float64 is left alone).
     """
-    return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, recompute)
+    return torch.ops.fused.ffn(x, w1, w3, w2, mask, u1, u3, u2, allow_tf32, routing, recompute, residual)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -191,10 +195,11 @@ class FusedSwiGLU(nn.Module):
             mod.w2.copy_(w2)
         return mod
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: `[..., hidden_size]` -> `[..., hidden_size]`."""
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: `[..., hidden_size]` -> `[..., hidden_size]`; residual (x's shape): added to the output in the down
+        projection's epilogue (see `ffn`)."""
         return torch.ops.fused.ffn(x, self.w1, self.w3, self.w2, None, None, None, None, self.allow_tf32, None,
-                                   self.recompute)
+                                   self.recompute, residual)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"
@@ -275,13 +280,14 @@ class DualExpertSwiGLU(nn.Module):
                 p[TEXT].copy_(t)
         return mod
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, routing: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x: `[..., hidden_size]`; mask: bool `[...]` (True = vision token); routing: `fused_ops.route(mask)` or None
-        (see `ffn`). Returns `[..., hidden_size]`."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, routing: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: `[..., hidden_size]`; mask: bool `[...]` (True = vision token); routing: `fused_ops.route(mask)` or None;
+        residual: added to the output in the epilogue (see `ffn`). Returns `[..., hidden_size]`."""
         # The stacked parameters as they are: the op reads both experts in place and writes their gradients into one
         # [2, ...] tensor each (views w[1], w[0] would cost autograd a stack of the per-expert gradients per step).
         return torch.ops.fused.ffn(x, self.w1, self.w3, self.w2, mask, None, None, None, self.allow_tf32, routing,
-                                   self.recompute)
+                                   self.recompute, residual)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -8,7 +8,7 @@ One decoder layer (CogVLM2's, with `vision_expert=True`):
     q, k = rope_fwd_qk(view q, view k of qkv, freqs, "bshd")    one launch, reads the strided views in place
     o   = SDPA(q, k, v, causal, GQA)                   keys/values through the KV cache when decoding
     h   = x + linear_dual(o, mask, W_dense[vision], W_dense[text], routing=r)
-    y   = h + ffn(RMSNorm(h), mask, vision expert, text expert, routing=r)    DualExpertSwiGLU
+    y   = ffn(RMSNorm(h), mask, vision expert, text expert, routing=r, residual=h)   DualExpertSwiGLU
 
 A single-expert model (`vision_expert=False`, a Llama layer) has nn.Linear QKV and dense projections and a
 FusedSwiGLU MLP, and takes no mask. Training works through every op (their autograd is registered in C++).
@@ -113,7 +113,10 @@ class FusedDecoderLayer(nn.Module):
                 freqs: torch.Tensor, cache: Optional[KVCache] = None, layer: int = 0) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), mask, routing, freqs, cache, layer)
         a = self.post_attention_layernorm(h)
-        return h + (self.mlp(a, mask, routing) if self.config.vision_expert else self.mlp(a))
+        # h + mlp(a): the residual add happens in the down projection's epilogue (one kernel fewer per layer)
+        if self.config.vision_expert:
+            return self.mlp(a, mask, routing, residual=h)
+        return self.mlp(a, residual=h)
 
 
 class FusedCogVLM(nn.Module):
