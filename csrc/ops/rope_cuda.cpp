@@ -16,12 +16,9 @@ namespace {
 constexpr int kBshd = 1, kBackward = 2, kHasStart = 4, kCopyPass = 8;
 
 const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "fp32";
-    case at::kHalf: return "fp16";
-    case at::kBFloat16: return "bf16";
-    default: TORCH_CHECK(false, "rope: unsupported dtype ", t, " on CUDA (float32, float16, bfloat16)");
-  }
+  const char* name = variant_dtype(t);
+  TORCH_CHECK(name, "rope: unsupported dtype ", t, " on CUDA (float32, float16, bfloat16)");
+  return name;
 }
 
 // rope_kernel's variant key (aot/manifest.py _rope_variants).
@@ -111,10 +108,11 @@ std::vector<VariantRequest> rope_requestable_variants(int cc) {
   for (size_t i = 0; i < kNumConfigs; ++i) {  // every bucket of the table that serves cc
     const KernelConfig& cfg = kConfigs[i];
     if (std::string(cfg.kernel) != "rope_kernel" || cfg.arch != table_arch(cc)) continue;
-    for (const char* dtype : {"fp32", "fp16", "bf16"})
+    for (at::ScalarType t : {at::kFloat, at::kHalf, at::kBFloat16})
       for (bool interleaved : {false, true})
         for (bool second : {false, true})
-          for (bool thd : {false, true}) out.push_back({"rope_kernel", rope_key(cfg, dtype, interleaved, second, thd)});
+          for (bool thd : {false, true})
+            out.push_back({"rope_kernel", rope_key(cfg, variant_dtype(t), interleaved, second, thd)});
   }
   return out;
 }

@@ -17,11 +17,11 @@
 // The backward ops have none either: autograd calls them on the forward's cast tensors.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <utility>
-#include <vector>
 
 namespace {
 using at::Tensor;
@@ -57,9 +57,10 @@ void routed_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const at::ScalarType dt = at::autocast::get_autocast_dtype(D);
   const size_t n = op.schema().arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - n);
-  // Slices of a stacked [2, ...] tensor: the base is cast once, if both halves are arguments.
-  std::vector<std::pair<Tensor, uint8_t>> bases;  // (base, which halves are arguments: bit i for [i])
-  std::vector<int64_t> slice_of(n, -1), base_of(n, -1);
+  // Slices of a stacked [2, ...] tensor: the base is cast once, if both halves are arguments. On the stack, not the
+  // heap: this runs on every call in an autocast region.
+  c10::SmallVector<std::pair<Tensor, uint8_t>, 8> bases;  // (base, which halves are arguments: bit i for [i])
+  c10::SmallVector<int64_t, 16> slice_of(n, -1), base_of(n, -1);
   for (size_t a = 0; a < n; ++a) {
     if (!args[a].isTensor()) continue;
     Tensor base;
@@ -72,7 +73,7 @@ void routed_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     slice_of[a] = i;
     base_of[a] = static_cast<int64_t>(b);
   }
-  std::vector<Tensor> cast_bases(bases.size());
+  c10::SmallVector<Tensor, 8> cast_bases(bases.size());
   for (size_t b = 0; b < bases.size(); ++b)
     if (bases[b].second == 3) cast_bases[b] = at::autocast::cached_cast(dt, bases[b].first, D);
   for (size_t a = 0; a < n; ++a) {

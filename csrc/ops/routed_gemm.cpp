@@ -309,18 +309,20 @@ Routing route_identity(int64_t M) {
 }
 
 // ---------------------------------------------------------------------------------------------------------- context
-Gemm Gemm::make(const at::Tensor& like, bool allow_tf32) {
+Gemm Gemm::of(at::ScalarType dtype, bool allow_tf32, int cc) {
+  const char* dt = variant_dtype(dtype);
+  TORCH_CHECK(dt, "routed GEMM: unsupported dtype ", dtype, " on CUDA (float32, float16, bfloat16)");
   Gemm g;
-  g.dtype = like.scalar_type();
-  switch (g.dtype) {
-    case at::kFloat: g.dt = "fp32"; break;
-    case at::kHalf: g.dt = "fp16"; break;
-    case at::kBFloat16: g.dt = "bf16"; break;
-    default: TORCH_CHECK(false, "routed GEMM: unsupported dtype ", g.dtype, " on CUDA (float32, float16, bfloat16)");
-  }
-  g.prec = (g.dtype == at::kFloat && !allow_tf32) ? "ieee" : "tf32";
+  g.dtype = dtype;
+  g.dt = dt;
+  g.prec = (dtype == at::kFloat && !allow_tf32) ? "ieee" : "tf32";
+  g.cc = cc;
+  return g;
+}
+
+Gemm Gemm::make(const at::Tensor& like, bool allow_tf32) {
+  Gemm g = of(like.scalar_type(), allow_tf32, device_capability(like.get_device()));
   g.device = like.get_device();
-  g.cc = device_capability(g.device);
   g.sms = std::max(1, device_sm_count(g.device));
   return g;
 }
@@ -830,14 +832,11 @@ std::vector<VariantRequest> requestable_variants(int cc) {
     out.insert({"routing_scatter_kernel", routing_scatter_key(aligned)});
     out.insert({"routing_single_kernel", routing_single_key(aligned)});
   }
-  const std::pair<at::ScalarType, const char*> units[] = {
-      {at::kBFloat16, "tf32"}, {at::kHalf, "tf32"}, {at::kFloat, "tf32"}, {at::kFloat, "ieee"}};
-  for (const auto& [dtype, prec] : units) {
-    Gemm g;
-    g.dtype = dtype;
-    g.dt = dtype == at::kFloat ? "fp32" : dtype == at::kHalf ? "fp16" : "bf16";
-    g.prec = prec;
-    g.cc = cc;
+  // Every (dtype, precision) a call can make: 16-bit inputs ignore allow_tf32, fp32 gives tf32 or ieee.
+  const std::pair<at::ScalarType, bool> units[] = {
+      {at::kBFloat16, false}, {at::kHalf, false}, {at::kFloat, true}, {at::kFloat, false}};
+  for (const auto& [dtype, allow_tf32] : units) {
+    const Gemm g = Gemm::of(dtype, allow_tf32, cc);
     const bool tma = g.tma_kernels(false), tma_swiglu = g.tma_kernels(true);
     for (bool f : {false, true}) {
       out.insert({"gather_rows_kernel", gather_rows_key(g, f)});

@@ -150,6 +150,8 @@ struct Gemm {
   std::string prec;  // "ieee" (fp32 without allow_tf32) | "tf32"
   int device = 0, cc = 0, sms = 1;
   static Gemm make(const at::Tensor& like, bool allow_tf32);
+  // dtype, precision and compute capability only (no device): what the variant keys and config lookups read.
+  static Gemm of(at::ScalarType dtype, bool allow_tf32, int cc);
   // Whether the Hopper TMA kernels serve an op whose operands have the inner (contiguous) sizes `dims`: sm_90,
   // a build holding sm_90 images, TMA variants for this dtype/precision (and the TMA swiglu when `swiglu`), every
   // dim > 0 with dim * element size a multiple of 16 bytes, and FUSED_GEMM_TMA not set to 0.

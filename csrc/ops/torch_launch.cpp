@@ -16,6 +16,15 @@ void launch_on_current_stream(const char* kernel, const std::string& key, const 
   launch(kernel, key, args, grid, reinterpret_cast<CUstream>(stream), device, scratch);
 }
 
+const char* variant_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "fp32";
+    case at::kHalf: return "fp16";
+    case at::kBFloat16: return "bf16";
+    default: return nullptr;
+  }
+}
+
 bool current_stream_is_capturing(const at::Tensor& like) {
   // Ops call this before their own device guard (an input check). torch's default stream is the NULL handle, which
   // the driver resolves in the current context: stream_is_capturing asks in like's device's context, also from a

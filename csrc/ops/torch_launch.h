@@ -13,6 +13,10 @@ namespace fused {
 void launch_on_current_stream(const char* kernel, const std::string& key, const KernelArgs& args, Grid grid,
                               const at::Tensor& like);
 
+// The dtype's name in the variant keys ("fp32", "fp16", "bf16"; aot/manifest.py DTYPES), nullptr for a dtype no kernel
+// is compiled for.
+const char* variant_dtype(at::ScalarType t);
+
 // A variant a launcher asks for: the kernel's name and its key ("dtype=bf16,..."; aot/manifest.py Variant.key_str).
 // The launchers list every one they can ask for (routed::requestable_variants, rope_requestable_variants), which the
 // build checks against the compiled table (csrc/ops/variant_check.cpp).

@@ -15,36 +15,24 @@
 
 namespace {
 
-std::vector<fused::VariantRequest> asked(int arch) {
-  std::vector<fused::VariantRequest> out = fused::routed::requestable_variants(arch);
-  for (auto& v : fused::rope_requestable_variants(arch)) out.push_back(std::move(v));
-  return out;
-}
-
-// "sm_<arch> <kernel>: <key>" for every variant the launchers can ask for on a built architecture.
-std::vector<std::string> requestable_variants() {
+// "sm_<arch> <kernel>: <key>" for every variant the launchers can ask for on a built architecture; only_missing:
+// those of them that this build did not compile for that architecture.
+std::vector<std::string> variants(bool only_missing) {
   std::vector<std::string> out;
-  for (size_t i = 0; i < fused::kNumArchs; ++i)
-    for (const auto& v : asked(fused::kArchs[i]))
-      out.push_back("sm_" + std::to_string(fused::kArchs[i]) + " " + v.kernel + ": " + v.key);
-  return out;
-}
-
-// Those of them that this build did not compile (for that architecture).
-std::vector<std::string> missing_variants() {
-  std::vector<std::string> missing;
   for (size_t i = 0; i < fused::kNumArchs; ++i) {
     const int arch = fused::kArchs[i];
-    for (const auto& v : asked(arch))
-      if (!fused::has_variant(v.kernel.c_str(), v.key, arch))
-        missing.push_back("sm_" + std::to_string(arch) + " " + v.kernel + ": " + v.key);
+    std::vector<fused::VariantRequest> asked = fused::routed::requestable_variants(arch);
+    for (auto& v : fused::rope_requestable_variants(arch)) asked.push_back(std::move(v));
+    for (const auto& v : asked)
+      if (!only_missing || !fused::has_variant(v.kernel.c_str(), v.key, arch))
+        out.push_back("sm_" + std::to_string(arch) + " " + v.kernel + ": " + v.key);
   }
-  return missing;
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused, CompositeImplicitAutograd, m) {
-  m.impl("_requestable_variants", requestable_variants);
-  m.impl("_missing_variants", missing_variants);
+  m.impl("_requestable_variants", []() { return variants(/*only_missing=*/false); });
+  m.impl("_missing_variants", []() { return variants(/*only_missing=*/true); });
 }
