@@ -42,6 +42,8 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <torch/library.h>
 
@@ -221,8 +223,12 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
   at::Tensor h = at::empty({rows, geo.I}, opt), dup, dgate;
   // Saved, on TMA where its table serves m: the dh GEMM's epilogue turns dh (fp32, never stored) and the saved gate
   // and up into h, dgate and dup, the last two side by side in dgu [rows, 2I], whose dx is then one GEMM.
+  // FUSED_FFN_BWD_FUSED=0 (read per call, like FUSED_GEMM_TMA): the unfused kernels instead, for A/B measurements
+  // (benchmarks/bench_train_mlp.py) and tests.
+  const char* fused_env = std::getenv("FUSED_FFN_BWD_FUSED");
+  const bool fused_bwd = !(fused_env && std::strcmp(fused_env, "0") == 0);
   at::Tensor dgu;
-  if (saved && tma) {
+  if (saved && tma && fused_bwd) {
     dgu = at::empty({rows, 2 * geo.I}, opt);
     if (routed::dh_swiglu_backward(g, r, dya, p.down, as_rows(*gate_up), h, dgu)) {
       dgate = dgu.narrow(1, 0, geo.I);
