@@ -385,11 +385,12 @@ def _gemm_variants() -> List[Variant]:
                          _persistent_meta(cfg, prec), cfg, archs)
 
         # routed_dx_pair_tma_kernel (sm_90): dx = d_gate · W1 + d_up · W3 in one GEMM, A through a rank-3 descriptor
-        # over [d_gate | d_up], both weights through the pair's rank-4 descriptor, rows scattered.
+        # [2, M_pad, I] over [d_gate | d_up], each projection's stacked weights through its own descriptor (read
+        # transposed), rows scattered.
         for cfg, archs in configs("routed_dx_pair_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             args = runtime_args("kernels.gemm_tma:routed_dx_pair_tma_kernel", dt,
-                                {"dgu_desc": f"{bm}, 1, {bk}", "w13_desc": f"1, 1, {bk}, {bn}"})
+                                {"dgu_desc": f"1, {bm}, {bk}", "w1_desc": f"1, {bk}, {bn}", "w3_desc": f"1, {bk}, {bn}"})
             out += _both("kernels.gemm_tma:routed_dx_pair_tma_kernel", dict(base), args,
                          _persistent_meta(cfg, prec), cfg, archs)
     return out

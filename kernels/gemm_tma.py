@@ -264,18 +264,25 @@ def routed_dh_swiglu_bwd_tma_kernel(dy_desc, w2_desc, gu_ptr, h_ptr, dgu_ptr, pe
         d = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         d = _tma_mainloop(d, dy_desc, w2_desc, _w_index(e, w_map), row0, n0, K, True, INPUT_PRECISION, BLOCK_N,
                           BLOCK_K)
-        # In two column halves: dh, gate and up of a whole 128 x 128 tile in fp32 do not fit the registers.
-        d0, d1 = tl.split(d.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
+        # In column quarters: dh, gate and up of a whole tile in fp32 do not fit the registers.
+        Q: tl.constexpr = BLOCK_N // 4
+        d01, d23 = tl.split(d.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
+        d0, d1 = tl.split(d01.reshape(BLOCK_M, 2, Q).permute(0, 2, 1))
+        d2, d3 = tl.split(d23.reshape(BLOCK_M, 2, Q).permute(0, 2, 1))
         _dh_swiglu_epilogue(d0, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0, N, stride_h, stride_dgu,
-                            stride_gu, BLOCK_M, BLOCK_N // 2)
-        _dh_swiglu_epilogue(d1, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0 + BLOCK_N // 2, N, stride_h,
-                            stride_dgu, stride_gu, BLOCK_M, BLOCK_N // 2)
+                            stride_gu, BLOCK_M, Q)
+        _dh_swiglu_epilogue(d1, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0 + Q, N, stride_h, stride_dgu,
+                            stride_gu, BLOCK_M, Q)
+        _dh_swiglu_epilogue(d2, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0 + 2 * Q, N, stride_h, stride_dgu,
+                            stride_gu, BLOCK_M, Q)
+        _dh_swiglu_epilogue(d3, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0 + 3 * Q, N, stride_h, stride_dgu,
+                            stride_gu, BLOCK_M, Q)
 
 
 @triton.jit
 def _dh_swiglu_epilogue(d, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0, N, stride_h, stride_dgu, stride_gu,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """routed_dh_swiglu_bwd_tma_kernel's epilogue on columns n0 + [0, BLOCK_N) of its tile, dh = d (fp32)."""
+    """routed_dh_swiglu_bwd_tma_kernel's epilogue on columns n0 + [0, BLOCK_N) of its tile (a quarter), dh = d (fp32)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     rows = row0 + tl.arange(0, BLOCK_M)
     tok = tl.load(perm_ptr + rows, mask=rows < row_hi, other=-1)
@@ -293,33 +300,33 @@ def _dh_swiglu_epilogue(d, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0, N
 
 
 @triton.jit
-def routed_dx_pair_tma_kernel(dgu_desc, w13_desc, out_ptr, perm_ptr, seg_ptr, N, K, stride_om, up_first, w_map,
+def routed_dx_pair_tma_kernel(dgu_desc, w1_desc, w3_desc, out_ptr, perm_ptr, seg_ptr, N, K, stride_om, w_map,
                               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
                               PDL: tl.constexpr = False):
     """The ffn backward's grad-input as one GEMM: dx = d_gate · W1_e + d_up · W3_e, one fp32 accumulator over both
-    reductions (no second output and no add), rows scattered to token order (out [M, N], N = H). dgu_desc: a rank-3
-    descriptor [M_pad, 2, K] over the expert-ordered [d_gate | d_up] buffer (routed_dh_swiglu_bwd_tma_kernel's dgu,
-    K = I), block [BM, 1, BK]: each projection's columns end at K (zero fill), whatever K's remainder. w13_desc: the
-    rank-4 descriptor [2, E, K, N] over both weights (routed_swiglu_pair_tma_kernel's, read W_TRANSPOSED), block
-    [1, 1, BK, BN]; up_first / w_map as there. Walks the row tiles that hold rows (_row_tiles)."""
+    reductions (no second output and no add), rows scattered to token order (out [M, N], N = H). Each K step
+    multiplies both projections' tiles (two MMAs, as the unpaired gate/up GEMM), so one loop covers both reductions.
+    dgu_desc: a rank-3 descriptor [2, M_pad, K] (strides [K, row stride, 1]) over the expert-ordered [d_gate | d_up]
+    buffer (routed_dh_swiglu_bwd_tma_kernel's dgu, K = I), block [1, BM, BK]: each projection's columns end at K
+    (zero fill); the unit block dimension leads, as in the weights' descriptors (a [BM, 1, BK] block over
+    [M_pad, 2, K] does not reshape to the MMA's layout in place). w1_desc / w3_desc: the stacked gate and up weights
+    [E, K, N] (read W_TRANSPOSED), block [1, BK, BN], each in its own expert order (w_map as _swiglu_step's): any
+    layout, no copy. Walks the row tiles that hold rows (_row_tiles)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    steps = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
-        we = _w_index(e, w_map)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for s in range(0, 2 * steps):
-            proj = (s >= steps).to(tl.int32)  # 0: gate, 1: up
-            k0 = (s - proj * steps) * BLOCK_K
-            a = dgu_desc.load([row0, proj, k0]).reshape(BLOCK_M, BLOCK_K)
-            b = w13_desc.load([proj ^ up_first, we, k0, n0]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        for k0 in range(0, K, BLOCK_K):
+            acc = _linear_step(dgu_desc.load([0, row0, k0]).reshape(BLOCK_M, BLOCK_K), w1_desc, _w_index(e, w_map),
+                               n0, k0, acc, True, INPUT_PRECISION, BLOCK_N, BLOCK_K)
+            acc = _linear_step(dgu_desc.load([1, row0, k0]).reshape(BLOCK_M, BLOCK_K), w3_desc,
+                               _w_index(e, w_map >> 2), n0, k0, acc, True, INPUT_PRECISION, BLOCK_N, BLOCK_K)
         _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, True, BLOCK_M)
 
 
@@ -451,18 +458,20 @@ def launch_routed_dh_swiglu_bwd_tma(dy_pad, w2_stacked, gate_up, h, dgu, perm, s
     return h, dgu
 
 
-def launch_routed_dx_pair_tma(dgu, w13, out, perm, seg, *, up_first=False, input_precision="tf32", BM=128, BN=128,
-                              BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, w_map=2):
-    """dgu [M_pad, 2I] expert-ordered ([d_gate | d_up]); w13 [2, E, I, H] (index 0 of dimension 0 is the gate unless
-    up_first; experts as w_map says); out [M, H] token order, written at every routed row."""
+def launch_routed_dx_pair_tma(dgu, w1, w3, out, perm, seg, *, input_precision="tf32", BM=128, BN=128, BK=64,
+                              GROUP_M=8, num_programs=None, num_warps=8, num_stages=3, FLATTEN=False,
+                              w_map=2 | 2 << 2):
+    """dgu [M_pad, 2I] expert-ordered ([d_gate | d_up]); w1, w3 [2, I, H] stacked gate and up weights (experts in the
+    order w_map says: w1's in bits 0-1, w3's in bits 2-3); out [M, H] token order, written at every routed row."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad, I = dgu.shape[0], dgu.shape[1] // 2
-    N = w13.shape[3]
-    dgu_desc = TensorDescriptor(dgu, [M_pad, 2, I], [dgu.stride(0), I, 1], [BM, 1, BK])
-    w_desc = TensorDescriptor.from_tensor(w13, [1, 1, BK, BN])
+    N = w1.shape[2]
+    dgu_desc = TensorDescriptor(dgu, [2, M_pad, I], [I, dgu.stride(0), 1], [1, BM, BK])
+    w1_desc = TensorDescriptor.from_tensor(w1, [1, BK, BN])
+    w3_desc = TensorDescriptor.from_tensor(w3, [1, BK, BN])
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_dx_pair_tma_kernel[grid](dgu_desc, w_desc, out, perm, seg, N, I, out.stride(0), int(up_first), w_map,
+    routed_dx_pair_tma_kernel[grid](dgu_desc, w1_desc, w3_desc, out, perm, seg, N, I, out.stride(0), w_map,
                                     INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                     GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return out

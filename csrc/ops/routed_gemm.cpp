@@ -769,23 +769,25 @@ bool dh_swiglu_backward(const Gemm& g, const Routing& r, const at::Tensor& dy, E
 
 bool grad_input_pair(const Gemm& g, const Routing& r, const at::Tensor& dgu, Experts& gate, Experts& up,
                      const at::Tensor& out) {
+  const KernelConfig* c = find_config("routed_dx_pair_tma_kernel", family(g), g.cc, r.M);
+  if (!c || config_off(*c)) return false;
   const int64_t I = gate.rows(), H = gate.cols();
   TORCH_INTERNAL_ASSERT(r.aligned && !r.identity && up.rows() == I && up.cols() == H);
   check_rows(r, ordered(dgu), 2 * I, "dgu");
   check_rows(r, tokens(out), H, "output");
-  // Paired whatever the weights' addresses (pair_of copies both into one tensor where they cannot serve), so that the
-  // gradient does not depend on where the weights lie (the fallback sums two rounded GEMMs).
-  const std::optional<Pair> pair = pair_of("routed_dx_pair_tma_kernel", g, gate, up, r.M, true);
-  if (!pair) return false;
   ensure_routed(r);
+  // Each projection through its own descriptor, in its own expert order: any layout of the weights, no copy.
+  const Experts::Stacked& sg = gate.stacked();
+  const Experts::Stacked& su = up.stacked();
   KernelArgs args;
-  args.tensor(dgu.data_ptr(), {dgu.size(0), 2, I}, {dgu.stride(0), I, 1});
-  pair->add_descriptor(args, I, H);
-  args.ptr(out.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-      .i32(H).i32(I).i32(out.stride(0)).i32(pair->up_first ? 1 : 0).i32(pair->lo.map);
-  const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(H, pair->cfg->block[1]);
-  launch_on_current_stream("routed_dx_pair_tma_kernel", dx_pair_key(g, *pair->cfg), args,
-                           grid(std::min<int64_t>(g.sms, tiles)), out);
+  args.tensor(dgu.data_ptr(), {2, dgu.size(0), I}, {I, dgu.stride(0), 1})  // [projection, row, column]
+      .tensor(sg.base, {sg.experts, I, H}, {sg.stride_e, sg.ld, 1})
+      .tensor(su.base, {su.experts, I, H}, {su.stride_e, su.ld, 1})
+      .ptr(out.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+      .i32(H).i32(I).i32(out.stride(0)).i32(swiglu_map(sg, su));
+  const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(H, c->block[1]);
+  launch_on_current_stream("routed_dx_pair_tma_kernel", dx_pair_key(g, *c), args, grid(std::min<int64_t>(g.sms, tiles)),
+                           out);
   return true;
 }
 
