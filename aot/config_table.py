@@ -21,9 +21,7 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
 * `"off": true` (only for kernels that are an alternative design, OPTIONAL below): the kernel is not used for the
   bucket's m, and the launcher takes the other design (for routed_{linear,swiglu}_gather_tma_kernel: a gather copy,
   then routed_{linear,swiglu}_tma_kernel; for routed_swiglu_pair_tma_kernel: routed_swiglu_tma_kernel; for
-  routed_swiglu_pair_bwd_tma_kernel: two routed_linear_tma_kernel GEMMs and swiglu_backward_kernel; for
-  routed_dh_swiglu_bwd_tma_kernel: routed_linear_tma_kernel and swiglu_backward_kernel; for routed_dx_pair_tma_kernel:
-  two routed_linear_tma_kernel GEMMs and an add). A family
+  routed_swiglu_pair_bwd_tma_kernel: two routed_linear_tma_kernel GEMMs and swiglu_backward_kernel). A family
   without entries for such a kernel also takes the other design.
 
 aot/manifest.py compiles every distinct config of every table (a variant per config, for the architectures whose
@@ -56,19 +54,14 @@ KERNELS = {
     "routed_swiglu_pair_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
     # its backward twin: the ffn backward's gate/up recompute with the SwiGLU backward in the epilogue
     "routed_swiglu_pair_bwd_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
-    # the saved-activation ffn backward: the dh GEMM with the SwiGLU backward in its epilogue, and dx as one GEMM over
-    # d_gate and d_up
-    "routed_dh_swiglu_bwd_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
-    "routed_dx_pair_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
 }
 # kernels whose buckets may be "off": an alternative design (gather inside the GEMM instead of a gather copy; gate
 # and up in one MMA instead of two), which the launcher takes only where its table says so
 OPTIONAL = {"routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel",
-            "routed_swiglu_pair_bwd_tma_kernel", "routed_dh_swiglu_bwd_tma_kernel", "routed_dx_pair_tma_kernel"}
+            "routed_swiglu_pair_bwd_tma_kernel"}
 # the persistent TMA GEMMs, whose tile loop may be flattened into the K loop ("flatten": true; tl.range(flatten=True))
 PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_linear_gather_tma_kernel",
-              "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel",
-              "routed_dh_swiglu_bwd_tma_kernel", "routed_dx_pair_tma_kernel"}
+              "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
 # the persistent kernels that split a last partial round in column halves (kernels/gemm_tiles.py _split_tail):
 # SPLIT_CONFIG where the table's "split" says so (constexpr SPLIT_TAIL), ALWAYS_SPLIT in every config
 SPLIT_CONFIG = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"}

@@ -374,25 +374,6 @@ def _gemm_variants() -> List[Variant]:
                                 {"a_desc": f"{bm}, {bk}", "w13_desc": f"2, 1, {bn}, {bk}"})
             out += _both("kernels.gemm_tma:routed_swiglu_pair_bwd_tma_kernel", dict(base), args,
                          _persistent_meta(cfg, prec), cfg, archs)
-
-        # routed_dh_swiglu_bwd_tma_kernel (sm_90): the saved-activation ffn backward's dh GEMM (dy expert-ordered, the
-        # down weights stacked and read transposed) with the SwiGLU backward in its epilogue.
-        for cfg, archs in configs("routed_dh_swiglu_bwd_tma_kernel", fam):
-            bm, bn, bk = cfg["block"]
-            args = runtime_args("kernels.gemm_tma:routed_dh_swiglu_bwd_tma_kernel", dt,
-                                {"dy_desc": f"{bm}, {bk}", "w2_desc": f"1, {bk}, {bn}"})
-            out += _both("kernels.gemm_tma:routed_dh_swiglu_bwd_tma_kernel", dict(base), args,
-                         _persistent_meta(cfg, prec), cfg, archs)
-
-        # routed_dx_pair_tma_kernel (sm_90): dx = d_gate · W1 + d_up · W3 in one GEMM, A through a rank-3 descriptor
-        # [2, M_pad, I] over [d_gate | d_up], each projection's stacked weights through its own descriptor (read
-        # transposed), rows scattered.
-        for cfg, archs in configs("routed_dx_pair_tma_kernel", fam):
-            bm, bn, bk = cfg["block"]
-            args = runtime_args("kernels.gemm_tma:routed_dx_pair_tma_kernel", dt,
-                                {"dgu_desc": f"1, {bm}, {bk}", "w1_desc": f"1, {bk}, {bn}", "w3_desc": f"1, {bk}, {bn}"})
-            out += _both("kernels.gemm_tma:routed_dx_pair_tma_kernel", dict(base), args,
-                         _persistent_meta(cfg, prec), cfg, archs)
     return out
 
 

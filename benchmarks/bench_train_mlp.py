@@ -6,8 +6,6 @@ a user would otherwise write, on the CogVLM2 / Llama-3-8B MLP (H = 4096, I = 143
 
 Dual expert (DualExpertSwiGLU's stacked [2, ...] weights, text first), per mask and M:
   fused saved       fused_ops.ffn, gate and up kept by the forward (the default)
-  saved, unfused bwd  the same with FUSED_FFN_BWD_FUSED=0: the backward's unfused kernels (dh GEMM + elementwise
-                    SwiGLU pass, dx as two GEMMs + add), an A/B of the fused ones in the same run
   fused recompute   fused_ops.ffn(recompute=True): nothing kept, gate and up computed again in the backward
   grouped_mm        sort by expert + torch._grouped_mm autograd (torchtitan's way): argsort, index_select, three
                     grouped GEMMs, SiLU * up, unsort
@@ -90,14 +88,7 @@ def dual_impls(recompute_ok=True):
             out[m] = F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
         return torch.autograd.grad(out, (x, w1, w3, w2), g)
 
-    def unfused_bwd(x, mask, w, g):  # A/B: the saved backward with its unfused kernels (FUSED_FFN_BWD_FUSED=0)
-        os.environ["FUSED_FFN_BWD_FUSED"] = "0"
-        try:
-            return fused(False)(x, mask, w, g)
-        finally:
-            del os.environ["FUSED_FFN_BWD_FUSED"]
-
-    impls = {"fused saved": fused(False), "saved, unfused bwd": unfused_bwd}
+    impls = {"fused saved": fused(False)}
     if recompute_ok:
         impls["fused recompute"] = fused(True)
     impls.update({"grouped_mm": grouped_mm, "gather+cuBLAS": gather_cublas})
@@ -269,9 +260,9 @@ def main(argv=None):
 
     lines = [f"# MLP training step (forward + backward), {results['device']}, torch {results['torch']}",
              f"H = {H}, I = {I}, bf16. Speedup = baseline time / fused saved time; peak = MiB above the inputs.", "",
-             "| M | mask | fused saved ms | saved, unfused bwd ms | fused recompute ms | grouped_mm ms | gather+cuBLAS ms |"
-             " vs grouped_mm | vs best baseline | peak saved / recompute / grouped_mm MiB | max rel. err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| M | mask | fused saved ms | fused recompute ms | grouped_mm ms | gather+cuBLAS ms | vs grouped_mm |"
+             " vs best baseline | peak saved / recompute / grouped_mm MiB | max rel. err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     fails = []
     for e in results["dual"]:
         r = e["impls"]
@@ -280,8 +271,7 @@ def main(argv=None):
         s_gmm, s_best = t["grouped_mm"] / t["fused saved"], best / t["fused saved"]
         pk = [r[n].get("peak_mib", float("nan")) for n in ("fused saved", "fused recompute", "grouped_mm")]
         err = max(r[n].get("err", float("nan")) for n in r)
-        unfused = t.get("saved, unfused bwd", float("nan"))
-        lines.append(f"| {e['M']} | {e['mask']} | {t['fused saved']:.3f} | {unfused:.3f} | {t['fused recompute']:.3f} | "
+        lines.append(f"| {e['M']} | {e['mask']} | {t['fused saved']:.3f} | {t['fused recompute']:.3f} | "
                      f"{t['grouped_mm']:.3f} | {t['gather+cuBLAS']:.3f} | {s_gmm:.3f} | {s_best:.3f} | "
                      f"{pk[0]:.0f} / {pk[1]:.0f} / {pk[2]:.0f} | {err:.1e} |")
         if not err < 2e-2:

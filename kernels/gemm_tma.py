@@ -1,9 +1,7 @@
-"""Hopper (sm_90) TMA routed GEMMs (kernels/GEMM.md kernels 6, 7, 7a, 10b-10d): A = expert-ordered padded buffer, A
+"""Hopper (sm_90) TMA routed GEMMs (kernels/GEMM.md kernels 6, 7, 7a and 10b): A = expert-ordered padded buffer, A
 and the stacked weights through host tensor descriptors. routed_linear_tma_kernel (forward and grad-input),
 routed_swiglu_tma_kernel and routed_swiglu_pair_tma_kernel (the gate/up GEMM with two MMAs, or gate and up in one),
-the ffn backward's: routed_swiglu_pair_bwd_tma_kernel (gate/up recompute fused with the SwiGLU gradients),
-routed_dh_swiglu_bwd_tma_kernel (the dh GEMM fused with them, gate and up saved) and routed_dx_pair_tma_kernel (dx
-from both projections' gradients in one GEMM). A's
+routed_swiglu_pair_bwd_tma_kernel (the ffn backward's gate/up recompute fused with the SwiGLU gradients). A's
 gather copy: kernels/gather_rows.py; the variants that gather A's rows inside the main loop instead:
 kernels/gemm_gather_tma.py (they share _w_index, _linear_step and _swiglu_step from here).
 
@@ -17,8 +15,8 @@ Conventions (experts, perm / seg, the generic GEMM with W_TRANSPOSED, SCATTER_OU
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import (_add_bias, _add_residual, _gate_up_arg, _half_tile_at, _ordered_offsets, _row_tiles,
-                                _save_gate_up, _silu_mul, _split_tail, _store_tile, _tile_at, _walk_tiles)
+from kernels.gemm_tiles import (_add_bias, _add_residual, _gate_up_arg, _half_tile_at, _ordered_offsets, _row_tiles, _save_gate_up,
+                                _silu_mul, _split_tail, _store_tile, _tile_at, _walk_tiles)
 from kernels.pdl import grid_dependency_sync
 from kernels.swiglu_backward import swiglu_grads
 
@@ -239,97 +237,6 @@ def routed_swiglu_pair_bwd_tma_kernel(a_desc, w13_desc, h_ptr, dup_ptr, dgate_pt
         tl.store(dgate_ptr + off, d_gate.to(ty), mask=ok)
 
 
-@triton.jit
-def routed_dh_swiglu_bwd_tma_kernel(dy_desc, w2_desc, gu_ptr, h_ptr, dgu_ptr, perm_ptr, seg_ptr, N, K, stride_h,
-                                    stride_dgu, stride_gu, w_map, INPUT_PRECISION: tl.constexpr,
-                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, PDL: tl.constexpr = False):
-    """The ffn backward's dh GEMM with the SwiGLU backward in its epilogue (gate and up saved by the forward): each
-    tile's dh = dy_e · W2_e in fp32 (never stored), then gate and up read from gate_up [M, 2N] in token order through
-    perm (_save_gate_up's layout), and h -> h_ptr, d_gate -> dgu_ptr columns [0, N), d_up -> dgu_ptr columns [N, 2N)
-    (kernels/swiglu_backward.py swiglu_grads; dgu: one buffer, so that dx is one GEMM over both,
-    routed_dx_pair_tma_kernel). dy_desc: expert-ordered dy [M_pad, K] (aligned routing, zero padding rows), block
-    [BM, BK]; w2_desc: stacked W2 [E, K, N] (the down weight [H, I], read as W_TRANSPOSED), block [1, BK, BN]; w_map:
-    its experts' order (_w_index). Every tile of both padded segments below end (_row_tiles WHOLE_SEGMENTS): padding
-    rows (perm < 0) read gate = up = 0, so h, d_gate and d_up are zero there, as the TMA grad-weight needs. One
-    rounding fewer than dh stored and read back by swiglu_backward_kernel."""
-    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, True)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
-                                               GROUP_M)
-        d = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        d = _tma_mainloop(d, dy_desc, w2_desc, _w_index(e, w_map), row0, n0, K, True, INPUT_PRECISION, BLOCK_N,
-                          BLOCK_K)
-        # In column quarters: dh, gate and up of a whole tile in fp32 do not fit the registers.
-        Q: tl.constexpr = BLOCK_N // 4
-        d01, d23 = tl.split(d.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
-        d0, d1 = tl.split(d01.reshape(BLOCK_M, 2, Q).permute(0, 2, 1))
-        d2, d3 = tl.split(d23.reshape(BLOCK_M, 2, Q).permute(0, 2, 1))
-        _dh_swiglu_epilogue(d0, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0, N, stride_h, stride_dgu,
-                            stride_gu, BLOCK_M, Q)
-        _dh_swiglu_epilogue(d1, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0 + Q, N, stride_h, stride_dgu,
-                            stride_gu, BLOCK_M, Q)
-        _dh_swiglu_epilogue(d2, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0 + 2 * Q, N, stride_h, stride_dgu,
-                            stride_gu, BLOCK_M, Q)
-        _dh_swiglu_epilogue(d3, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0 + 3 * Q, N, stride_h, stride_dgu,
-                            stride_gu, BLOCK_M, Q)
-
-
-@triton.jit
-def _dh_swiglu_epilogue(d, gu_ptr, h_ptr, dgu_ptr, perm_ptr, row0, row_hi, n0, N, stride_h, stride_dgu, stride_gu,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """routed_dh_swiglu_bwd_tma_kernel's epilogue on columns n0 + [0, BLOCK_N) of its tile (a quarter), dh = d (fp32)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    tok = tl.load(perm_ptr + rows, mask=rows < row_hi, other=-1)
-    ok_in = (tok >= 0)[:, None] & (offs_n < N)[None, :]
-    off_in = tl.where(tok >= 0, tok, 0).to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
-    g = tl.load(gu_ptr + off_in, mask=ok_in, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + N + off_in, mask=ok_in, other=0.0).to(tl.float32)
-    h, d_up, d_gate = swiglu_grads(g, u, d)
-    ok = (rows < row_hi)[:, None] & (offs_n < N)[None, :]
-    ty = h_ptr.dtype.element_ty
-    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_n[None, :], h.to(ty), mask=ok)
-    off_d = rows.to(tl.int64)[:, None] * stride_dgu + offs_n[None, :]
-    tl.store(dgu_ptr + off_d, d_gate.to(ty), mask=ok)
-    tl.store(dgu_ptr + N + off_d, d_up.to(ty), mask=ok)
-
-
-@triton.jit
-def routed_dx_pair_tma_kernel(dgu_desc, w1_desc, w3_desc, out_ptr, perm_ptr, seg_ptr, N, K, stride_om, w_map,
-                              INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-                              PDL: tl.constexpr = False):
-    """The ffn backward's grad-input as one GEMM: dx = d_gate · W1_e + d_up · W3_e, one fp32 accumulator over both
-    reductions (no second output and no add), rows scattered to token order (out [M, N], N = H). Each K step
-    multiplies both projections' tiles (two MMAs, as the unpaired gate/up GEMM), so one loop covers both reductions.
-    dgu_desc: a rank-3 descriptor [2, M_pad, K] (strides [K, row stride, 1]) over the expert-ordered [d_gate | d_up]
-    buffer (routed_dh_swiglu_bwd_tma_kernel's dgu, K = I), block [1, BM, BK]: each projection's columns end at K
-    (zero fill); the unit block dimension leads, as in the weights' descriptors (a [BM, 1, BK] block over
-    [M_pad, 2, K] does not reshape to the MMA's layout in place). w1_desc / w3_desc: the stacked gate and up weights
-    [E, K, N] (read W_TRANSPOSED), block [1, BK, BN], each in its own expert order (w_map as _swiglu_step's): any
-    layout, no copy. Walks the row tiles that hold rows (_row_tiles)."""
-    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    start1, t0, num_pid_m, hi0, hi1 = _row_tiles(seg_ptr, BLOCK_M, False)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(pid, num_pid_m * num_pid_n, nprog, flatten=FLATTEN):
-        row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
-                                               GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = _linear_step(dgu_desc.load([0, row0, k0]).reshape(BLOCK_M, BLOCK_K), w1_desc, _w_index(e, w_map),
-                               n0, k0, acc, True, INPUT_PRECISION, BLOCK_N, BLOCK_K)
-            acc = _linear_step(dgu_desc.load([1, row0, k0]).reshape(BLOCK_M, BLOCK_K), w3_desc,
-                               _w_index(e, w_map >> 2), n0, k0, acc, True, INPUT_PRECISION, BLOCK_N, BLOCK_K)
-        _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, True, BLOCK_M)
-
-
 # ----------------------------------------------------------------------------------------------
 # Python launchers (JIT / TRITON_INTERPRET use; they also document the grids for the C++ side)
 # ----------------------------------------------------------------------------------------------
@@ -436,42 +343,3 @@ def launch_routed_swiglu_pair_bwd_tma(a_pad, w13, h, dup, dgate, seg, *, up_firs
                                             GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
                                             num_stages=num_stages)
     return h, dup, dgate
-
-
-def launch_routed_dh_swiglu_bwd_tma(dy_pad, w2_stacked, gate_up, h, dgu, perm, seg, *, input_precision="tf32", BM=128,
-                                    BN=128, BK=64, GROUP_M=8, num_programs=None, num_warps=8, num_stages=3,
-                                    FLATTEN=False, w_map=2):
-    """dy_pad [M_pad, H] expert-ordered (aligned routing, zero padding rows); w2_stacked [2, H, I] (the down weights,
-    experts in the order w_map says); gate_up [M, 2I] token order (ffn_forward's); h [M_pad, I] and dgu [M_pad, 2I]
-    written (d_gate in dgu[:, :I], d_up in dgu[:, I:])."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    M_pad, K = dy_pad.shape
-    N = w2_stacked.shape[2]
-    dy_desc = TensorDescriptor.from_tensor(dy_pad, [BM, BK])
-    w_desc = TensorDescriptor.from_tensor(w2_stacked, [1, BK, BN])
-    tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
-    grid = (min(num_programs or tiles, tiles), )
-    routed_dh_swiglu_bwd_tma_kernel[grid](dy_desc, w_desc, gate_up, h, dgu, perm, seg, N, K, h.stride(0),
-                                          dgu.stride(0), gate_up.stride(0), w_map, INPUT_PRECISION=input_precision,
-                                          BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN,
-                                          num_warps=num_warps, num_stages=num_stages)
-    return h, dgu
-
-
-def launch_routed_dx_pair_tma(dgu, w1, w3, out, perm, seg, *, input_precision="tf32", BM=128, BN=128, BK=64,
-                              GROUP_M=8, num_programs=None, num_warps=8, num_stages=3, FLATTEN=False,
-                              w_map=2 | 2 << 2):
-    """dgu [M_pad, 2I] expert-ordered ([d_gate | d_up]); w1, w3 [2, I, H] stacked gate and up weights (experts in the
-    order w_map says: w1's in bits 0-1, w3's in bits 2-3); out [M, H] token order, written at every routed row."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    M_pad, I = dgu.shape[0], dgu.shape[1] // 2
-    N = w1.shape[2]
-    dgu_desc = TensorDescriptor(dgu, [2, M_pad, I], [I, dgu.stride(0), 1], [1, BM, BK])
-    w1_desc = TensorDescriptor.from_tensor(w1, [1, BK, BN])
-    w3_desc = TensorDescriptor.from_tensor(w3, [1, BK, BN])
-    tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
-    grid = (min(num_programs or tiles, tiles), )
-    routed_dx_pair_tma_kernel[grid](dgu_desc, w1_desc, w3_desc, out, perm, seg, N, I, out.stride(0), w_map,
-                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                    GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
-    return out

@@ -317,53 +317,6 @@ def test_activation_memory(gpu_device, dual):
         assert torch.cuda.memory_allocated(gpu_device) - before == out.numel() * out.element_size()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-@pytest.mark.parametrize("mask_kind", ["single", "random"])
-def test_saved_backward_kernels(gpu_device, mask_kind, fused, monkeypatch):
-    """On sm_90 above the decode sizes the saved-activation backward runs the SwiGLU backward in the dh GEMM's epilogue
-    and dx as one GEMM over both projections: its CUDA kernels are the routing, the gathers of x and dy, the fused
-    dh, three grad-weight GEMMs and the fused dx, with no elementwise SwiGLU pass and no add. FUSED_FFN_BWD_FUSED=0
-    (the A/B switch) runs the unfused kernels instead. The gradients match float64 either way."""
-    if not fused:
-        monkeypatch.setenv("FUSED_FFN_BWD_FUSED", "0")
-    if torch.cuda.get_device_capability(gpu_device) != (9, 0):
-        pytest.skip("the fused backward kernels are sm_90 TMA kernels")
-    M, H, I = 1000, 256, 344  # noqa: E741
-    dtype = torch.bfloat16
-    dual = mask_kind != "single"
-    mask = make_mask("random", (M,), gpu_device) if dual else None
-    w = make_weights(H, I, dtype, gpu_device, dual)
-    x = torch.randn(M, H, device=gpu_device, dtype=dtype)
-    g = torch.randn(M, H, device=gpu_device, dtype=dtype)
-    gate_up = OPS.ffn_forward(x, *op_args(w, mask))[1]
-    OPS.ffn_backward(g, x, *op_args(w, mask), gate_up=gate_up)  # warm
-    sync(gpu_device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        grads = OPS.ffn_backward(g, x, *op_args(w, mask), gate_up=gate_up)
-        sync(gpu_device)
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert names.count("routed_grad_weight_tma_kernel") == 3, names
-    if fused:
-        gemms = ["routed_dh_swiglu_bwd_tma_kernel", "routed_dx_pair_tma_kernel"]
-        assert not any("swiglu_backward_kernel" == n or "add" in n.lower() for n in names), names
-    else:  # dh, then dx as two grad-input GEMMs, and the elementwise pass and the add
-        gemms = ["routed_linear_tma_kernel"] * 3
-        assert names.count("swiglu_backward_kernel") == 1 and sum("add" in n.lower() for n in names) == 1, names
-    for n in set(gemms):
-        assert names.count(n) == gemms.count(n), names
-    # the rest: the routing (M is not a multiple of 128, so x and dy are gathered even for one expert) and gathers
-    others = [n for n in names if n not in gemms + ["routed_grad_weight_tma_kernel", "swiglu_backward_kernel"]
-              and "add" not in n.lower()]
-    assert sorted(others) == sorted(["gather_rows_kernel"] * 2 + ["routing_one_block_kernel" if dual
-                                                                  else "routing_single_kernel"]), names
-    lx = x.double().requires_grad_(True)
-    lw = {k: v.double().requires_grad_(True) for k, v in w.items()}
-    want = torch.autograd.grad(ffn_reference(lx, *op_args(lw, mask)), [lx, *lw.values()], g.double())
-    for got, exp, name in zip(grads, want, ["x", *lw]):
-        check_grad(got, exp, dtype, TOL[dtype], f"grad {name}")
-
-
 def test_backward_twice_with_retained_graph(device):
     """retain_graph: a second backward through the saved activations gives the same gradients."""
     M, H, I = 37, 24, 72  # noqa: E741

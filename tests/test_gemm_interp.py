@@ -20,8 +20,7 @@ from kernels.gather_rows import (GATHER_ROWS, launch_expert_colsum, launch_gathe
 from kernels.gemm_gather_tma import launch_routed_linear_gather_tma, launch_routed_swiglu_gather_tma  # noqa: E402
 from kernels.gemm_pointer import launch_routed_linear, launch_routed_swiglu  # noqa: E402
 from kernels.gemm_tiles import _expert_tile_mn  # noqa: E402
-from kernels.gemm_tma import (launch_routed_dh_swiglu_bwd_tma, launch_routed_dx_pair_tma,  # noqa: E402
-                              launch_routed_linear_tma, launch_routed_swiglu_pair_bwd_tma,
+from kernels.gemm_tma import (launch_routed_linear_tma, launch_routed_swiglu_pair_bwd_tma,  # noqa: E402
                               launch_routed_swiglu_pair_tma, launch_routed_swiglu_tma)
 from kernels.grad_weight import launch_routed_grad_weight, launch_routed_grad_weight_tma  # noqa: E402
 from kernels.routing import one_block_size, padded_rows, route, route_single  # noqa: E402
@@ -555,71 +554,6 @@ def test_swiglu_pair_bwd_tma(kind, up_first):
         assert torch.isnan(got[end:]).all(), f"{name}: rows from end on must not be written"
 
 
-def saved_backward_case(kind, M, H, I, dtype, seed, align=ALIGN):  # noqa: E741
-    """A dual-expert ffn backward's inputs for the saved-activation TMA kernels: mask, routing, x, stacked weights,
-    gate_up [M, 2I] in token order (float64 gate and up rounded to dtype, as ffn_forward stores them), dy and its
-    expert-ordered gather (zero padding rows)."""
-    gen = torch.Generator().manual_seed(seed)
-    mask = make_mask(kind, M, gen)
-    x = rnd(gen, M, H, dtype=dtype)
-    w1, w3 = (rnd(gen, 2, I, H, dtype=dtype) * H ** -0.5 for _ in range(2))
-    w2 = rnd(gen, 2, H, I, dtype=dtype) * I ** -0.5
-    g, u = ref_gate_up(x, w1, w3, mask)
-    gate_up = torch.cat([g, u], 1).to(dtype)
-    dy = rnd(gen, M, H, dtype=dtype)
-    perm, seg = route(mask, align=align)
-    return dict(mask=mask, x=x, w1=w1, w3=w3, w2=w2, gate_up=gate_up, dy=dy, perm=perm, seg=seg,
-                dyg=gathered(dy, perm, perm.shape[0]))
-
-
-@pytest.mark.parametrize("kind", MASKS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_dh_swiglu_bwd_tma(kind, dtype):
-    """The dh GEMM with the SwiGLU backward in its epilogue: h, d_gate and d_up of every row of both padded segments
-    below end, from dh = dy_e · W2_e in fp32 and the saved gate / up read through perm, against float64 (the saved
-    gate and up are the reference's inputs). Padding rows below end are zero (the TMA grad-weight reads them); rows
-    from end on stay poisoned. I = 40 with BN = 16: the last column tile is partial."""
-    M, H, I = 37, 48, 40  # noqa: E741
-    c = saved_backward_case(kind, M, H, I, dtype, seed=61)
-    perm, seg = c["perm"], c["seg"]
-    M_pad, end = perm.shape[0], int(seg[2])
-    valid = perm >= 0
-    h = torch.full((M_pad, I), float("nan"), dtype=dtype)
-    dgu = torch.full((M_pad, 2 * I), float("nan"), dtype=dtype)
-    launch_routed_dh_swiglu_bwd_tma(c["dyg"], c["w2"], c["gate_up"], h, dgu, perm, seg, input_precision=prec(dtype),
-                                    num_programs=3, **T)
-    e = torch.where(c["mask"], 1, 0)
-    dh = torch.einsum("mh,mhi->mi", c["dy"].double(), c["w2"].double()[e])
-    gu = c["gate_up"].double()
-    want = dict(zip(("h", "dup", "dgate"), ref_swiglu_grads(gu[:, :I], gu[:, I:], dh)))
-    rows = perm[valid].long()
-    for name, got in (("h", h), ("dgate", dgu[:, :I]), ("dup", dgu[:, I:])):
-        assert rel_err(got[valid], want[name][rows]) < TOL[dtype], name
-        assert (got[:end][~valid[:end]] == 0).all(), f"{name}: padding rows below end must be zero"
-        assert torch.isnan(got[end:]).all(), f"{name}: rows from end on must not be written"
-
-
-@pytest.mark.parametrize("kind", MASKS)
-@pytest.mark.parametrize("I", [40, 48])
-def test_dx_pair_tma(kind, I):  # noqa: E741
-    """dx = d_gate · W1_e + d_up · W3_e as one GEMM over the [d_gate | d_up] buffer, rows scattered to token order,
-    every routed row written (poisoned output), against float64. I = 40 with BK = 16: each projection's last K block
-    is partial (the descriptor's zero fill ends it at I, not at the other projection's first columns)."""
-    M, H = 37, 40
-    dtype = torch.float32
-    c = saved_backward_case(kind, M, H, I, dtype, seed=67)
-    perm, seg = c["perm"], c["seg"]
-    gen = torch.Generator().manual_seed(68)
-    dgate, dup = rnd(gen, M, I, dtype=dtype), rnd(gen, M, I, dtype=dtype)
-    dgu = gathered(torch.cat([dgate, dup], 1), perm, perm.shape[0])
-    out = torch.full((M, H), float("nan"), dtype=dtype)
-    launch_routed_dx_pair_tma(dgu, c["w1"], c["w3"], out, perm, seg, input_precision="ieee", num_programs=3, **T)
-    e = torch.where(c["mask"], 1, 0)
-    want = (torch.einsum("mi,mih->mh", dgate.double(), c["w1"].double()[e])
-            + torch.einsum("mi,mih->mh", dup.double(), c["w3"].double()[e]))
-    assert rel_err(out, want) < TOL[dtype]
-
-
 @pytest.mark.parametrize("order", ["vision_first", "tied"])
 def test_weight_orders_tma(order):
     """Every TMA kernel that reads stacked weights takes the experts in either order along the descriptor's expert
@@ -668,15 +602,6 @@ def test_weight_orders_tma(order):
         dgate = gathered(rnd(torch.Generator().manual_seed(54), M, I, dtype=dtype), perm, M_pad)
         outs["pair_bwd"] = torch.cat(launch_routed_swiglu_pair_bwd_tma(xg, pair(ws), h, dup, dgate, seg,
                                                                        w_map=m, **kw))
-        h, dgu = torch.zeros(M_pad, I, dtype=dtype), torch.zeros(M_pad, 2 * I, dtype=dtype)
-        gate_up = rnd(torch.Generator().manual_seed(56), M, 2 * I, dtype=dtype)
-        outs["dh_swiglu"] = torch.cat(launch_routed_dh_swiglu_bwd_tma(xg, ws["w"].transpose(1, 2).contiguous(),
-                                                                      gate_up,
-                                                                      h, dgu, perm, seg, w_map=m, **kw), 1)
-        out = torch.full((M, H), float("nan"), dtype=dtype)
-        outs["dx_pair"] = launch_routed_dx_pair_tma(gathered(rnd(torch.Generator().manual_seed(57), M, 2 * I,
-                                                                 dtype=dtype), perm, M_pad), ws["w1"], ws["w3"], out,
-                                                    perm, seg, w_map=two, **kw)
         return outs
 
     want, got = run(w, 2), run(laid, w_map)
@@ -964,33 +889,6 @@ def test_shipped_config(kernel, fam, block, group, split):
         got = torch.empty(M, N, dtype=dtype)
         got[perm[valid].long()] = h[valid]
         assert rel_err(got, ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)) < tol
-    elif kernel == "routed_dh_swiglu_bwd_tma_kernel":  # H = K, I = N
-        bm, bn, bk = block
-        c = saved_backward_case("random", M, K, N, dtype, seed=22, align=128)
-        perm, seg = c["perm"], c["seg"]
-        ok = perm >= 0
-        h = torch.full((M_pad, N), float("nan"), dtype=dtype)
-        dgu = torch.full((M_pad, 2 * N), float("nan"), dtype=dtype)
-        launch_routed_dh_swiglu_bwd_tma(c["dyg"], c["w2"], c["gate_up"], h, dgu, perm, seg, input_precision=p, BM=bm,
-                                        BN=bn, BK=bk, GROUP_M=group, num_programs=7)
-        e = torch.where(c["mask"], 1, 0)
-        dh = torch.einsum("mh,mhi->mi", c["dy"].double(), c["w2"].double()[e])
-        gu = c["gate_up"].double()
-        rows = perm[ok].long()
-        for got, want in zip((h, dgu[:, N:], dgu[:, :N]), ref_swiglu_grads(gu[:, :N], gu[:, N:], dh)):
-            assert rel_err(got[ok], want[rows]) < tol
-    elif kernel == "routed_dx_pair_tma_kernel":  # I = K, H = N
-        bm, bn, bk = block
-        c = saved_backward_case("random", M, N, K, dtype, seed=23, align=128)
-        perm, seg = c["perm"], c["seg"]
-        dgu_tok = rnd(gen, M, 2 * K, dtype=dtype)
-        out = torch.full((M, N), float("nan"), dtype=dtype)
-        launch_routed_dx_pair_tma(gathered(dgu_tok, perm, M_pad), c["w1"], c["w3"], out, perm, seg, input_precision=p,
-                                  BM=bm, BN=bn, BK=bk, GROUP_M=group, num_programs=7)
-        e = torch.where(c["mask"], 1, 0)
-        want = (torch.einsum("mi,mih->mh", dgu_tok[:, :K].double(), c["w1"].double()[e])
-                + torch.einsum("mi,mih->mh", dgu_tok[:, K:].double(), c["w3"].double()[e]))
-        assert rel_err(out, want) < tol
     else:
         assert kernel in ("routed_grad_weight_kernel", "routed_grad_weight_tma_kernel"), f"no test for {kernel}"
         bn, bk, br = block

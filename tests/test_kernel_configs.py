@@ -199,7 +199,7 @@ sys.path.insert(0, sys.argv[1])
 from aot import compile as aot_compile, config_table as ct, manifest
 t = copy.deepcopy(ct.load(90))
 for kernel in ("routed_linear_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_linear_tma_kernel",
-               "routed_swiglu_pair_bwd_tma_kernel", "routed_dh_swiglu_bwd_tma_kernel", "routed_dx_pair_tma_kernel"):
+               "routed_swiglu_pair_bwd_tma_kernel"):
     t["kernels"][kernel]["half"][-1]["flatten"] = True  # shipped flattened or not: each kernel compiles flattened
 ct.validate(t)
 manifest.table = lambda arch: t if arch == 90 else ct.load(arch)
@@ -208,8 +208,7 @@ for v in manifest.variants():
     if v.key.get("cfg", "").endswith("_f") and v.key.get("dtype") == "bf16":
         picked.setdefault(v.name, v)
 assert set(picked) == {"routed_linear_gather_tma_kernel", "routed_swiglu_pair_tma_kernel",
-                       "routed_swiglu_pair_bwd_tma_kernel", "routed_linear_tma_kernel",
-                       "routed_dh_swiglu_bwd_tma_kernel", "routed_dx_pair_tma_kernel"}, sorted(picked)
+                       "routed_swiglu_pair_bwd_tma_kernel", "routed_linear_tma_kernel"}, sorted(picked)
 with tempfile.TemporaryDirectory() as d:
     for name, v in sorted(picked.items()):
         assert v.meta["FLATTEN"] is True

@@ -55,7 +55,7 @@ _KERNELS = ["routing_one_block_kernel", "routing_count_kernel", "routing_scatter
             "gather_rows_kernel", "route_gather_rows_kernel", "expert_colsum_kernel",
             "routed_linear_kernel", "routed_swiglu_kernel",
             "routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_swiglu_pair_tma_kernel",
-            "routed_swiglu_pair_bwd_tma_kernel", "routed_dh_swiglu_bwd_tma_kernel", "routed_dx_pair_tma_kernel",
+            "routed_swiglu_pair_bwd_tma_kernel",
             "routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel",
             "routed_grad_weight_kernel", "routed_grad_weight_tma_kernel",
             "swiglu_backward_kernel"]

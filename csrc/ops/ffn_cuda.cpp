@@ -28,13 +28,10 @@
 //   dh = dy·w2                                          (routed_linear)
 //   h, dgate, dup from gate, up, dh                     (one elementwise kernel, fp32 math; saved: gate and up read
 //                                                        from gate_up, through perm into expert order on TMA)
-//   (saved on the TMA path, where its table serves m: both in one kernel, routed::dh_swiglu_backward, whose epilogue
-//   turns dh in fp32 (never stored) and gate / up read through perm into h and dgu = [dgate | dup]; recompute on the
-//   TMA path, where the paired gate/up GEMM serves: gate and up from one GEMM whose epilogue computes h, dgate, dup
-//   directly, reading dh: gate and up are never stored)
+//   (recompute on the TMA path, where the paired gate/up GEMM serves: gate and up from one GEMM whose epilogue
+//   computes h, dgate, dup directly, reading dh: gate and up are never stored)
 //   dw2 = dyᵀ·h, dw1 = dgateᵀ·x, dw3 = dupᵀ·x           (routed_grad_weight, per expert)
-//   dx = dgate·w1 + dup·w3                              (one GEMM over dgu, routed::grad_input_pair, where dgu holds
-//                                                        both; else two routed_linear grad-input passes, summed)
+//   dx = dgate·w1 + dup·w3                              (two routed_linear grad-input passes, summed)
 //   TMA path: x and dy are gathered once and every intermediate is expert-ordered ([M_pad, .]); pointer path:
 //   intermediates in token order ([M, .]), rows gathered / scattered through perm inside the kernels.
 //   output_mask: the grad-weight GEMMs run only for the weights asked for (one expert's programs where the other is
@@ -42,8 +39,6 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <torch/library.h>
 
@@ -217,44 +212,25 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
   auto as = [&](const at::Tensor& t) { return routed::Rows{t, tma}; };
   const at::Tensor none;
 
-  // h, dup and dgate. Rows [end, M_pad) of these expert-ordered buffers are never written; the elementwise pass
-  // computes garbage there that no kernel reads (tiles past `end` are skipped, grad-weight reads only the experts'
-  // rows). Every gradient asked for needs dgate or dup (or h, for dw2), so this part runs whatever the output_mask.
-  at::Tensor h = at::empty({rows, geo.I}, opt), dup, dgate;
-  // Saved, on TMA where its table serves m: the dh GEMM's epilogue turns dh (fp32, never stored) and the saved gate
-  // and up into h, dgate and dup, the last two side by side in dgu [rows, 2I], whose dx is then one GEMM.
-  // FUSED_FFN_BWD_FUSED=0 (read per call, like FUSED_GEMM_TMA): the unfused kernels instead, for A/B measurements
-  // (benchmarks/bench_train_mlp.py) and tests.
-  const char* fused_env = std::getenv("FUSED_FFN_BWD_FUSED");
-  const bool fused_bwd = !(fused_env && std::strcmp(fused_env, "0") == 0);
-  at::Tensor dgu;
-  if (saved && tma && fused_bwd) {
-    dgu = at::empty({rows, 2 * geo.I}, opt);
-    if (routed::dh_swiglu_backward(g, r, dya, p.down, as_rows(*gate_up), h, dgu)) {
-      dgate = dgu.narrow(1, 0, geo.I);
-      dup = dgu.narrow(1, geo.I, geo.I);
-    } else {
-      dgu.reset();
-    }
-  }
-  if (!dgu.defined()) {  // dh = dy·w2_e into dgate, then (in place) h, dup and dgate
-    dup = at::empty({rows, geo.I}, opt);
-    dgate = at::empty({rows, geo.I}, opt);
-    routed::linear(g, r, as(dya), p.down, none, none, as(dgate), /*w_transposed=*/true, tma);
-    if (saved) {
-      // gate and up from the forward, token order: read through perm into the expert-ordered buffers (TMA), or in
-      // place (the pointer path's buffers are in token order).
-      const at::Tensor gu = as_rows(*gate_up);
-      routed::ensure_routed(r);
-      routed::swiglu_backward(g, gu.narrow(1, 0, geo.I), gu.narrow(1, geo.I, geo.I), dgate, h, dup,
-                              tma ? r.perm : none);
-    } else if (!(tma && routed::swiglu_backward_pair(g, r, xa, p.gate, p.up, h, dup, dgate))) {
-      // Recompute. On the TMA path, where the paired gate/up GEMM serves, gate and up are turned into h, d_up and
-      // d_gate in its epilogue (never stored: two [M_pad, I] writes and the elementwise pass's reads of them saved).
-      routed::linear(g, r, as(xa), p.gate, none, none, as(h), /*w_transposed=*/false, tma);  // gate = x·w1_eᵀ
-      routed::linear(g, r, as(xa), p.up, none, none, as(dup), /*w_transposed=*/false, tma);  // up = x·w3_eᵀ
-      routed::swiglu_backward(g, h, dup, dgate, h, dup, none);
-    }
+  // gate, up and dh, then (in place) h, dup and dgate. Rows [end, M_pad) of these expert-ordered buffers are never
+  // written; the elementwise pass computes garbage there that no kernel reads (tiles past `end` are skipped,
+  // grad-weight reads only the experts' rows). Every gradient asked for needs dgate or dup (or h, for dw2), so this
+  // part runs whatever the output_mask.
+  at::Tensor h = at::empty({rows, geo.I}, opt), dup = at::empty({rows, geo.I}, opt);
+  at::Tensor dgate = at::empty({rows, geo.I}, opt);
+  routed::linear(g, r, as(dya), p.down, none, none, as(dgate), /*w_transposed=*/true, tma);  // dh = dy·w2_e
+  if (saved) {
+    // gate and up from the forward, token order: read through perm into the expert-ordered buffers (TMA), or in
+    // place (the pointer path's buffers are in token order).
+    const at::Tensor gu = as_rows(*gate_up);
+    routed::ensure_routed(r);
+    routed::swiglu_backward(g, gu.narrow(1, 0, geo.I), gu.narrow(1, geo.I, geo.I), dgate, h, dup, tma ? r.perm : none);
+  } else if (!(tma && routed::swiglu_backward_pair(g, r, xa, p.gate, p.up, h, dup, dgate))) {
+    // Recompute. On the TMA path, where the paired gate/up GEMM serves, gate and up are turned into h, d_up and
+    // d_gate in its epilogue (never stored: two [M_pad, I] writes and the elementwise pass's reads of them saved).
+    routed::linear(g, r, as(xa), p.gate, none, none, as(h), /*w_transposed=*/false, tma);  // gate = x·w1_eᵀ
+    routed::linear(g, r, as(xa), p.up, none, none, as(dup), /*w_transposed=*/false, tma);  // up = x·w3_eᵀ
+    routed::swiglu_backward(g, h, dup, dgate, h, dup, none);
   }
   // Weight gradients: only the experts' asked for launch programs (routed::grad_weight skips an undefined output).
   // Order: dw2 (the last reader of h and dy), dx, dw1 (the last of dgate), dw3 (the last of dup and x).
@@ -264,21 +240,19 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
   }
   h.reset();
   dya.reset();
-  if (output_mask[kGradX]) {  // dx = dgate·w1_e + dup·w3_e: one GEMM over dgu, or two and an add
+  if (output_mask[kGradX]) {  // dx = dgate·w1_e + dup·w3_e
     gx = at::empty(x.sizes(), opt);
     at::Tensor gx2 = gx.view({geo.M, geo.H});
-    if (!(dgu.defined() && routed::grad_input_pair(g, r, dgu, p.gate, p.up, gx2))) {
-      routed::linear(g, r, as(dgate), p.gate, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma);
-      at::Tensor gx_up = at::empty({geo.M, geo.H}, opt);
-      routed::linear(g, r, as(dup), p.up, none, none, routed::tokens(gx_up), /*w_transposed=*/true, tma);
-      gx2.add_(gx_up);
-    }
+    routed::linear(g, r, as(dgate), p.gate, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma);
+    at::Tensor gx_up = at::empty({geo.M, geo.H}, opt);
+    routed::linear(g, r, as(dup), p.up, none, none, routed::tokens(gx_up), /*w_transposed=*/true, tma);
+    gx2.add_(gx_up);
   }
   if (want_dw1) {
     allocate(dw1, kGate, {geo.I, geo.H});
     routed::grad_weight(g, r, as(dgate), as(xa), dw1[0], dw1[1], none, none, tma);  // dgate_eᵀ·x_e
   }
-  dgate.reset();  // (a view of dgu, when dgu holds it: freed with dup after dw3)
+  dgate.reset();
   if (want_dw3) {
     allocate(dw3, kUp, {geo.I, geo.H});
     routed::grad_weight(g, r, as(dup), as(xa), dw3[0], dw3[1], none, none, tma);  // dup_eᵀ·x_e

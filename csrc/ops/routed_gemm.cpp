@@ -115,12 +115,6 @@ std::string swiglu_pair_key(const Gemm& g, bool save, const KernelConfig& c) {
 std::string swiglu_pair_bwd_key(const Gemm& g, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
 }
-std::string dh_swiglu_bwd_key(const Gemm& g, const KernelConfig& c) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
-}
-std::string dx_pair_key(const Gemm& g, const KernelConfig& c) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
-}
 std::string grad_weight_tma_key(const Gemm& g, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
 }
@@ -744,53 +738,6 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
   return true;
 }
 
-bool dh_swiglu_backward(const Gemm& g, const Routing& r, const at::Tensor& dy, Experts& down, const at::Tensor& gate_up,
-                        const at::Tensor& h, const at::Tensor& dgu) {
-  const KernelConfig* c = find_config("routed_dh_swiglu_bwd_tma_kernel", family(g), g.cc, r.M);
-  if (!c || config_off(*c)) return false;
-  const int64_t H = down.rows(), I = down.cols();
-  TORCH_INTERNAL_ASSERT(r.aligned && !r.identity);
-  check_rows(r, ordered(dy), H, "dy");
-  check_rows(r, ordered(h), I, "h");
-  check_rows(r, ordered(dgu), 2 * I, "dgu");
-  check_rows(r, tokens(gate_up), 2 * I, "gate_up");
-  ensure_routed(r);
-  const Experts::Stacked& st = down.stacked();
-  KernelArgs args;
-  args.tensor(dy.data_ptr(), {dy.size(0), H}, {dy.stride(0), 1})
-      .tensor(st.base, {st.experts, H, I}, {st.stride_e, st.ld, 1})
-      .ptr(gate_up.data_ptr()).ptr(h.data_ptr()).ptr(dgu.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-      .i32(I).i32(H).i32(h.stride(0)).i32(dgu.stride(0)).i32(gate_up.stride(0)).i32(st.map);
-  const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(I, c->block[1]);
-  launch_on_current_stream("routed_dh_swiglu_bwd_tma_kernel", dh_swiglu_bwd_key(g, *c), args,
-                           grid(std::min<int64_t>(g.sms, tiles)), h);
-  return true;
-}
-
-bool grad_input_pair(const Gemm& g, const Routing& r, const at::Tensor& dgu, Experts& gate, Experts& up,
-                     const at::Tensor& out) {
-  const KernelConfig* c = find_config("routed_dx_pair_tma_kernel", family(g), g.cc, r.M);
-  if (!c || config_off(*c)) return false;
-  const int64_t I = gate.rows(), H = gate.cols();
-  TORCH_INTERNAL_ASSERT(r.aligned && !r.identity && up.rows() == I && up.cols() == H);
-  check_rows(r, ordered(dgu), 2 * I, "dgu");
-  check_rows(r, tokens(out), H, "output");
-  ensure_routed(r);
-  // Each projection through its own descriptor, in its own expert order: any layout of the weights, no copy.
-  const Experts::Stacked& sg = gate.stacked();
-  const Experts::Stacked& su = up.stacked();
-  KernelArgs args;
-  args.tensor(dgu.data_ptr(), {2, dgu.size(0), I}, {I, dgu.stride(0), 1})  // [projection, row, column]
-      .tensor(sg.base, {sg.experts, I, H}, {sg.stride_e, sg.ld, 1})
-      .tensor(su.base, {su.experts, I, H}, {su.stride_e, su.ld, 1})
-      .ptr(out.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-      .i32(H).i32(I).i32(out.stride(0)).i32(swiglu_map(sg, su));
-  const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(H, c->block[1]);
-  launch_on_current_stream("routed_dx_pair_tma_kernel", dx_pair_key(g, *c), args, grid(std::min<int64_t>(g.sms, tiles)),
-                           out);
-  return true;
-}
-
 void swiglu_backward(const Gemm& g, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& dh,
                      const at::Tensor& h, const at::Tensor& dup, const at::Tensor& perm) {
   TORCH_INTERNAL_ASSERT(h.is_contiguous() && dup.is_contiguous() && dh.is_contiguous() && dup.sizes() == h.sizes() &&
@@ -939,10 +886,6 @@ std::vector<VariantRequest> requestable_variants(int cc) {
         for (bool save : {false, true}) out.insert({"routed_swiglu_pair_tma_kernel", swiglu_pair_key(g, save, *c)});
       if (const KernelConfig* c = optional_cfg("routed_swiglu_pair_bwd_tma_kernel"))
         out.insert({"routed_swiglu_pair_bwd_tma_kernel", swiglu_pair_bwd_key(g, *c)});
-      if (const KernelConfig* c = optional_cfg("routed_dh_swiglu_bwd_tma_kernel"))
-        out.insert({"routed_dh_swiglu_bwd_tma_kernel", dh_swiglu_bwd_key(g, *c)});
-      if (const KernelConfig* c = optional_cfg("routed_dx_pair_tma_kernel"))
-        out.insert({"routed_dx_pair_tma_kernel", dx_pair_key(g, *c)});
     }
   }
   return {out.begin(), out.end()};

@@ -261,20 +261,6 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Exper
 bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, Experts& gate, Experts& up,
                           const at::Tensor& h, const at::Tensor& dup, const at::Tensor& dgate);
 
-// The saved-activation ffn backward's dh GEMM with the SwiGLU backward in its epilogue (routed_dh_swiglu_bwd_tma_kernel),
-// where its sm_90 table serves m: from expert-ordered dy [M_pad, H] (aligned routing, zero padding rows), the down
-// weights (dh = dy_e · W2_e, never stored) and gate_up [M, 2I] (ffn_forward's, token order, read through perm): h
-// [M_pad, I] and dgu [M_pad, 2I] = [d_gate | d_up] (unit inner stride each), padding rows below end zero. Returns
-// false, launching nothing, where it does not serve.
-bool dh_swiglu_backward(const Gemm& g, const Routing& r, const at::Tensor& dy, Experts& down, const at::Tensor& gate_up,
-                        const at::Tensor& h, const at::Tensor& dgu);
-
-// The ffn backward's grad-input as one GEMM (routed_dx_pair_tma_kernel), where its sm_90 table serves m:
-// out [M, H] (token order, unit inner stride) = d_gate · W1_e + d_up · W3_e from dgu [M_pad, 2I] = [d_gate | d_up]
-// expert-ordered. Returns false, launching nothing, where it does not serve.
-bool grad_input_pair(const Gemm& g, const Routing& r, const at::Tensor& dgu, Experts& gate, Experts& up,
-                     const at::Tensor& out);
-
 // The SwiGLU backward, one elementwise pass (swiglu_backward_kernel), fp32 math: h = silu(gate) * up, d_up, and d_gate
 // over dh. h, dup and dh are contiguous [rows, I]. gate / up: [., I] views of one row stride, read at row perm[r]
 // (perm defined: the saved gate_up in token order, into expert-ordered buffers) or r; they may be h and dup
