@@ -1,30 +1,22 @@
 """The ffn's residual add in the down projection's epilogue (`ffn(..., residual=h)`) against the unfused
 `h + ffn(...)`, paired on one GPU: CogVLM2's MLP (dual expert, one image span of 28% of the tokens, stacked weights,
-a shared routing) at 8192 and 2048 tokens, and Llama-3-8B's (single expert) at 8192. bf16, CUDA events, median of 40
-after warm-up, each side timed twice and the better median kept. Prints the two times, their ratio (> 1: the fused
-residual is faster) and the relative difference of the outputs (one rounding fewer on the fused side).
+a shared routing) at 8192 and 2048 tokens, and Llama-3-8B's (single expert) at 8192. bf16, timed call by call in
+pairs (benchmarks/common.py bench_pair: CUDA events, inputs rotated past L2, 40 pairs after warm-up). Prints the two
+medians, the median of the pairs' ratios (> 1: the fused residual is faster) and the relative difference of the
+outputs (one rounding fewer on the fused side).
 
     python benchmarks/bench_residual.py
 """
+import os
 import statistics
+import sys
 
 import torch
 
-import fused_ops  # noqa: F401  (registers torch.ops.fused)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def bench(fn, n=40):
-    ts = []
-    for _ in range(5):
-        fn()
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+import fused_ops  # noqa: E402,F401  (registers torch.ops.fused)
+from common import bench_pair, rotation_count  # noqa: E402
 
 
 def main():
@@ -33,8 +25,8 @@ def main():
     print(f"# ffn residual in the epilogue vs ffn + add, {torch.cuda.get_device_name()}")
     for name, M, H, I, dual in (("cogvlm2 8192", 8192, 4096, 14336, True), ("cogvlm2 2048", 2048, 4096, 14336, True),
                                 ("llama 8192", 8192, 4096, 14336, False)):
-        x = torch.randn(M, H, device=dev, dtype=bf)
-        h = torch.randn_like(x)
+        sets = [(torch.randn(M, H, device=dev, dtype=bf), torch.randn(M, H, device=dev, dtype=bf))
+                for _ in range(rotation_count(M * H * 2 * 3, dev, max_sets=4))]  # (x, h): x and h read, out written
         E = 2 if dual else 1
         w1, w3 = ((torch.randn(E, I, H, device=dev) * 0.02).to(bf) for _ in range(2))
         w2 = (torch.randn(E, H, I, device=dev) * 0.02).to(bf)
@@ -44,13 +36,19 @@ def main():
             args, kw = (w1, w3, w2, mask), dict(routing=torch.ops.fused.route(mask))
         else:
             args, kw = (w1[0], w3[0], w2[0]), {}
-        fused = lambda: torch.ops.fused.ffn(x, *args, residual=h, **kw)  # noqa: E731
-        unfused = lambda: h + torch.ops.fused.ffn(x, *args, **kw)  # noqa: E731
-        ref = unfused().float()
-        diff = ((fused().float() - ref).norm() / ref.norm()).item()
-        ta = min(bench(fused), bench(fused))
-        tb = min(bench(unfused), bench(unfused))
-        print(f"{name}: residual in epilogue {ta:.3f} ms, ffn + add {tb:.3f} ms, ratio {tb / ta:.3f} "
+
+        def fused(x, h):
+            return torch.ops.fused.ffn(x, *args, residual=h, **kw)
+
+        def unfused(x, h):
+            return h + torch.ops.fused.ffn(x, *args, **kw)
+
+        ref = unfused(*sets[0]).float()
+        diff = ((fused(*sets[0]).float() - ref).norm() / ref.norm()).item()
+        pairs = bench_pair(fused, unfused, sets, warmup=5, rep=40)
+        ta, tb = statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
+        ratio = statistics.median(b / a for a, b in pairs)
+        print(f"{name}: residual in epilogue {ta:.3f} ms, ffn + add {tb:.3f} ms, ratio {ratio:.3f} "
               f"(rel diff {diff:.1e})", flush=True)
 
 
