@@ -29,7 +29,8 @@ DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 # The Triton type of a runtime argument whose type does not follow from its name and the variant's dtype (routing
 # indices, masks, fp32 side buffers); see runtime_args.
 _ARG_TYPES = {"perm_ptr": "*i32", "seg_ptr": "*i32", "block_counts_ptr": "*i32", "cu_seqlens_ptr": "*i32",
-              "start_ptr": "*i32", "mask_ptr": "*i8", "colsum_ptr": "*fp32", "freqs_ptr": "*fp32"}
+              "start_ptr": "*i32", "mask_ptr": "*i8", "colsum_ptr": "*fp32", "freqs_ptr": "*fp32",
+              "ws_ptr": "*fp32"}
 
 
 def runtime_args(kernel: str, dt: str = "", descs: Dict[str, str] = None,
@@ -160,7 +161,7 @@ GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ie
 # routing is rarely a multiple of 16: a hint on it would send every such call (one decode token: M_pad = 129) to the
 # generic variant, which loses the hints on the pointers and strides that vectorize the gathers and stores. Nor on an
 # expert index (0 or 1) or a weight-order flag (up_first, w_map: small values that select, never address).
-_NO_HINT = {"M", "M_pad", "n_rows", "one_rows", "first_expert", "experts", "up_first", "w_map"}
+_NO_HINT = {"M", "M_pad", "n_rows", "one_rows", "first_expert", "experts", "up_first", "w_map", "n_split"}
 
 
 def _aligned(args) -> Dict[str, object]:
@@ -247,6 +248,18 @@ def _gemm_variants() -> List[Variant]:
         for spec in (_aligned(args), {}):
             out.append(Variant("kernels.gather_rows:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_ROWS}, args,
                                {"ROWS_PER_BLOCK": GATHER_ROWS, "BLOCK_B": 64, "BLOCK_C": 64}, spec, 4, 1, ARCHS))
+    from kernels.gemm_decode import DECODE_REDUCE_COLS
+    # decode_reduce: the sum of the decode GEMM's split partials, + bias (kernels/gemm_decode.py), for the
+    # architectures whose table has the decode GEMM
+    decode_archs = tuple(a for a in ARCHS if any(config_table.buckets(table(a), "routed_decode_linear_kernel", f)
+                                                 for f in ("half", "tf32", "ieee")))
+    for dt in DTYPES if decode_archs else ():
+        args = runtime_args("kernels.gemm_decode:decode_reduce_kernel", dt)
+        for bias in (0, 1):
+            for spec in (_aligned(args), {}):
+                out.append(Variant("kernels.gemm_decode:decode_reduce_kernel",
+                                   {"dtype": dt, "bias": bias, "cols": DECODE_REDUCE_COLS}, args,
+                                   {"HAS_BIAS": bool(bias), "BLOCK_N": DECODE_REDUCE_COLS}, spec, 4, 1, decode_archs))
     for dt in DTYPES:  # swiglu_backward: elementwise (kernels/swiglu_backward.py); not configurable. gather=1: gate
         # and up saved by the forward in token order, read through perm into the backward's expert-ordered buffers.
         args = runtime_args("kernels.swiglu_backward:swiglu_backward_kernel", dt)
@@ -269,6 +282,15 @@ def _gemm_variants() -> List[Variant]:
                 meta = _tile_meta(cfg, prec, HAS_BIAS=bias, HAS_RESIDUAL=res, GATHER_A=gather, SCATTER_OUT=scatter,
                                   W_TRANSPOSED=wt)
                 out += _both("kernels.gemm_pointer:routed_linear_kernel", key, args, meta, cfg, archs)
+
+        # routed_decode_linear_kernel (pointer loads, any sm_80+): the linear forward of a few tokens with the
+        # reduction split over the grid, no routing (kernels/gemm_decode.py); with / without bias. Only for the m its
+        # table's buckets serve (an alternative design: other m, and tables without it, take the kernels above).
+        args = runtime_args("kernels.gemm_decode:routed_decode_linear_kernel", dt)
+        for cfg, archs in configs("routed_decode_linear_kernel", fam):
+            for bias in (1, 0):
+                out += _both("kernels.gemm_decode:routed_decode_linear_kernel", dict(base, bias=bias), args,
+                             _tile_meta(cfg, prec, HAS_BIAS=bias), cfg, archs)
 
         # routed_swiglu_kernel (pointer loads): x gathered through perm -> expert-ordered h.
         args = runtime_args("kernels.gemm_pointer:routed_swiglu_kernel", dt)

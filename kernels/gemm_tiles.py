@@ -7,6 +7,7 @@ kernel's signature, which the AOT manifest reads):
   * kernels/gemm_tma.py: Hopper TMA descriptors, persistent: linear, gate/up (two MMAs or one), the fused
     gate/up recompute of the ffn backward;
   * kernels/gemm_gather_tma.py: TMA weights with A's rows gathered inside the main loop;
+  * kernels/gemm_decode.py: a few tokens' linear forward, the reduction split over the grid (no routing);
   * kernels/grad_weight.py: the weight (and bias) gradients.
 Routing: kernels/routing.py.
 

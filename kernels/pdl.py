@@ -1,11 +1,11 @@
 """Programmatic dependent launch (PDL, sm_90 and later).
 
 Every kernel of the routed ops (kernels/routing.py, gather_rows.py, gemm_pointer.py, gemm_tma.py, gemm_gather_tma.py,
-grad_weight.py, swiglu_backward.py) starts with `grid_dependency_sync`. The AOT build compiles it with PDL=True for
-sm_90 (aot/compile.py) and the C++ launcher then launches it with the programmatic-stream-serialization attribute: the
-kernel's programs may start while the kernel before it in the stream is still running (its launch latency and ramp-up
-overlap that kernel's tail), and `griddepcontrol.wait` holds them until that kernel has finished and its writes are
-visible. Because the wait is the first statement, before any load or store, a kernel sees exactly what ordinary stream
+gemm_decode.py, grad_weight.py, swiglu_backward.py) starts with `grid_dependency_sync`. The AOT build compiles it with
+PDL=True for sm_90 (aot/compile.py) and the C++ launcher then launches it with the programmatic-stream-serialization
+attribute: the kernel's programs may start while the kernel before it in the stream is still running (its launch
+latency and ramp-up overlap that kernel's tail), and `griddepcontrol.wait` holds them until that kernel has finished
+and its writes are visible. Because the wait is the first statement, before any load or store, a kernel sees exactly what ordinary stream
 order would show it; only the launch overlaps. `griddepcontrol.launch_dependents` then lets the next kernel's programs
 launch as soon as every program of this one has passed its wait.
 

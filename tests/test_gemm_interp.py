@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kernels.gather_rows import (GATHER_ROWS, launch_expert_colsum, launch_gather_rows,  # noqa: E402
                                  launch_route_gather_rows)
+from kernels.gemm_decode import decode_split, launch_routed_decode_linear  # noqa: E402
 from kernels.gemm_gather_tma import launch_routed_linear_gather_tma, launch_routed_swiglu_gather_tma  # noqa: E402
 from kernels.gemm_pointer import launch_routed_linear, launch_routed_swiglu  # noqa: E402
 from kernels.gemm_tiles import _expert_tile_mn  # noqa: E402
@@ -170,6 +171,57 @@ def test_route_gather_rows(M, kind):
     dst, perm, seg = routed_by_gather(mask, x)
     assert torch.equal(seg, seg_ref) and torch.equal(perm, perm_ref)
     assert torch.equal(dst, x[perm_ref[:M].long()])
+
+
+# ------------------------------------------------------------------------------------ decode linear
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("n_split", [1, 3])  # 1: the program writes out; 3: fp32 partials + decode_reduce_kernel
+def test_decode_linear(dtype, kind, bias, n_split):
+    # M < BLOCK_M rows, N and K not multiples of their blocks (K = 72: the last split is partly past K), each expert's
+    # weight with its own row stride (a column slice of a wider tensor, and a plain one)
+    M, N, K = 11, 40, 72
+    gen = torch.Generator().manual_seed(5)
+    mask = make_mask(kind, M, gen)
+    x = rnd(gen, M, K + 8, dtype=dtype)[:, :K]
+    w0, w1 = rnd(gen, N, K + 24, dtype=dtype)[:, 3:K + 3], rnd(gen, N, K, dtype=dtype)
+    b0 = rnd(gen, N, dtype=dtype) if bias else None
+    b1 = rnd(gen, N, dtype=dtype) if bias else None
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    launch_routed_decode_linear(x, mask, w0, w1, b0, b1, out, n_split=n_split, input_precision=prec(dtype), BM=16,
+                                BN=16, BK=16)
+    assert rel_err(out, ref_linear(x, w0, w1, b0, b1, mask)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("M", [1, 16])
+def test_decode_linear_one_token_per_expert_and_full_block(M):
+    # M = 1 (one expert's programs exit at once), M = BLOCK_M; the default split for a small "GPU" of 8 SMs
+    N, K = 48, 256
+    gen = torch.Generator().manual_seed(6)
+    for kind in ("all_true", "all_false", "random"):
+        mask = make_mask(kind, M, gen)
+        x, w0, w1 = rnd(gen, M, K), rnd(gen, N, K), rnd(gen, N, K)
+        n_split, _ = decode_split(N, K, 16, 16, sms=8)
+        assert n_split > 1
+        out = torch.full((M, N), float("nan"))
+        launch_routed_decode_linear(x, mask, w0, w1, None, None, out, sms=8, input_precision="ieee", BM=16, BN=16,
+                                    BK=16)
+        assert rel_err(out, ref_linear(x, w0, w1, None, None, mask)) < 1e-5
+
+
+@pytest.mark.parametrize("N,K,sms", [(4096, 4096, 132), (1280, 8192, 132), (12288, 4096, 132), (4096, 100, 132),
+                                     (64, 0, 8), (28672, 4096, 114)])
+def test_decode_split(N, K, sms):
+    # the launcher's split: k_split a multiple of BK, n_split slabs cover K (none wholly past it), at least 4 K blocks
+    # per split, and one expert's programs about twice the SM count where K allows
+    BN, BK = 64, 128
+    n_split, k_split = decode_split(N, K, BN, BK, sms)
+    tiles, k_blocks = -(-N // BN), -(-K // BK)
+    assert k_split % BK == 0 and n_split >= 1
+    assert n_split * k_split >= K and (n_split - 1) * k_split < max(K, 1)
+    assert n_split == 1 or k_split >= 4 * BK
+    assert tiles * n_split >= 0.9 * min(2 * sms, tiles * max(1, k_blocks // 4))
 
 
 # ------------------------------------------------------------------------------------ pointer linear

@@ -458,6 +458,59 @@ def test_weights_read_in_place(gpu_device, M, layout):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# CUDA: the decode GEMM (a few tokens, no routing; kernels/gemm_decode.py)
+
+
+def cuda_kernel_names(fn):
+    """The names of the CUDA kernels `fn` launches, in order (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("M", [1, 5, 16, 17])
+@pytest.mark.parametrize("N, K", [(256, 4096), (16384, 512), (1000, 1000), (24, 40)], ids=str)
+def test_decode(gpu_device, dtype, M, N, K):
+    """A decode step's tokens (M <= 16 takes the decode GEMM on sm_90, 17 the routed GEMMs): every mask kind, with and
+    without biases, every weight layout, reductions split many ways (N = 256), not at all (K = 512) and with odd
+    sizes; the output poisoned; a routing given changes no bit, and two runs give the same bits."""
+    x = strided_view((M,), K, dtype, gpu_device)
+    wv, wt, bv, bt = make_weights(N, K, dtype, gpu_device, "both")
+    for mask_kind in MASK_KINDS:
+        mask = make_mask(mask_kind, (M,), gpu_device)
+        for bias in ("both", "none"):
+            b = (bv, bt) if bias == "both" else (None, None)
+            ref = linear_dual_reference(x, mask, wv, wt, *b)
+            for layout, (v, t) in _weight_layouts(wv, wt).items():
+                poison_allocator(gpu_device, 64 * M * N * 4)
+                out = OPS.linear_dual(x, mask, v, t, *b)
+                check_out(out, ref, (M, N), dtype, gpu_device, TOL[dtype], f"{mask_kind}/{bias}/{layout}")
+            assert torch.equal(out, OPS.linear_dual(x, mask, v, t, *b, routing=OPS.route(mask))), "routing given"
+            assert torch.equal(out, OPS.linear_dual(x, mask, v, t, *b)), "not deterministic"
+
+
+@pytest.mark.gpu
+def test_decode_kernels(gpu_device):
+    """What a decode step launches on sm_90: the decode GEMM alone, plus the in-order sum of its splits where the
+    reduction is split (N = 4096: 64 column tiles), nothing to route; 17 tokens take the routed GEMMs."""
+    if torch.cuda.get_device_capability(gpu_device) != (9, 0):
+        pytest.skip("the decode GEMM is in the sm_90 table only")
+    x = torch.randn(17, 4096, device=gpu_device, dtype=torch.bfloat16)
+    mask = make_mask("random", (17,), gpu_device)
+    wv, wt, bv, bt = make_weights(4096, 4096, torch.bfloat16, gpu_device, "both")
+    OPS.linear_dual(x, mask, wv, wt, bv, bt)  # loads the kernels
+    assert cuda_kernel_names(lambda: OPS.linear_dual(x[:1], mask[:1], wv, wt, bv, bt)) == [
+        "routed_decode_linear_kernel", "decode_reduce_kernel"]
+    w2v, w2t = wv[:, :512].contiguous(), wt[:, :512].contiguous()  # K = 512: 4 K blocks, one split
+    assert cuda_kernel_names(lambda: OPS.linear_dual(x[:16, :512], mask[:16], w2v, w2t)) == [
+        "routed_decode_linear_kernel"]
+    assert "routed_decode_linear_kernel" not in cuda_kernel_names(lambda: OPS.linear_dual(x, mask, wv, wt, bv, bt))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # CUDA: realistic sizes, several devices, CUDA graphs
 
 

@@ -49,14 +49,15 @@ def test_environment_sets_the_default(env, default):
 # ---------------------------------------------------------------------------------------------------------------
 # The compiled code: one variant of each routed kernel (the first the manifest lists for sm_90).
 # ---------------------------------------------------------------------------------------------------------------
-# By module: kernels/routing.py, gather_rows.py, gemm_pointer.py, gemm_tma.py, gemm_gather_tma.py, grad_weight.py,
-# swiglu_backward.py.
+# By module: kernels/routing.py, gather_rows.py, gemm_pointer.py, gemm_tma.py, gemm_gather_tma.py, gemm_decode.py,
+# grad_weight.py, swiglu_backward.py.
 _KERNELS = ["routing_one_block_kernel", "routing_count_kernel", "routing_scatter_kernel", "routing_single_kernel",
             "gather_rows_kernel", "route_gather_rows_kernel", "expert_colsum_kernel",
             "routed_linear_kernel", "routed_swiglu_kernel",
             "routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_swiglu_pair_tma_kernel",
             "routed_swiglu_pair_bwd_tma_kernel",
             "routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel",
+            "routed_decode_linear_kernel", "decode_reduce_kernel",
             "routed_grad_weight_kernel", "routed_grad_weight_tma_kernel",
             "swiglu_backward_kernel"]
 
@@ -77,7 +78,8 @@ def compiled():
         out = {}
         for v in manifest.variants():
             routed = v.kernel.split(":")[0] in ("kernels.routing", "kernels.gather_rows", "kernels.gemm_pointer",
-                                                "kernels.gemm_tma", "kernels.gemm_gather_tma", "kernels.grad_weight",
+                                                "kernels.gemm_tma", "kernels.gemm_gather_tma", "kernels.gemm_decode",
+                                                "kernels.grad_weight",
                                                 "kernels.swiglu_backward")
             if not routed or 90 not in v.archs or v.name in out:
                 continue
@@ -95,7 +97,8 @@ def compiled():
 
 def test_every_routed_kernel_is_covered(compiled):
     """_KERNELS names every kernel of the routed kernels' modules (kernels/routing.py, the GEMM files gather_rows.py,
-    gemm_pointer.py, gemm_tma.py, gemm_gather_tma.py and grad_weight.py, and swiglu_backward.py; a new kernel must be
+    gemm_pointer.py, gemm_tma.py, gemm_gather_tma.py, gemm_decode.py and grad_weight.py, and swiglu_backward.py; a new
+    kernel must be
     added here, and must start with grid_dependency_sync)."""
     assert sorted(k for k in compiled if k != "rope_kernel") == sorted(_KERNELS)
 

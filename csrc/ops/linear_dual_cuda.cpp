@@ -1,5 +1,6 @@
 // CUDA implementation of linear_dual on the routed GEMM core (csrc/ops/routed_gemm.h):
 //   forward      route(mask) -> routed_linear (x gathered through perm, out scattered back), bias in the epilogue;
+//                a decode step's few tokens (the table's decode buckets): the decode GEMM, no routing;
 //   backward     route(mask), or the forward's routing -> grad_x = routed_linear(grad_out, W_e, W_TRANSPOSED)
 //                             -> (dW_e, db_e) = routed_grad_weight(grad_out, x) in one pass
 //                (TMA: grad_out and x gathered once into expert-ordered buffers that both GEMMs read; db_e summed
@@ -42,19 +43,25 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
   at::Tensor out = at::empty({geo.M, geo.N}, x.options());
   if ((geo.M == 0 || geo.N == 0) && !return_routing) return {out.view(with_last(x, geo.N)), at::Tensor()};
 
+  const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
+  at::Tensor b0, b1;  // expert 0 = text, 1 = vision; a missing bias of the two is zero
+  if (geo.N > 0 && (present(bias_v) || present(bias_t))) {
+    b0 = present(bias_t) ? vec(*bias_t) : at::zeros({geo.N}, x.options());
+    b1 = present(bias_v) ? vec(*bias_v) : at::zeros({geo.N}, x.options());
+  }
+  // A decode step's few tokens need no routing: the decode GEMM reads each row's expert from the mask, where the table
+  // serves M (linear_dual_forward returns a routing for the backward, so it routes and takes the GEMMs below).
+  if (!return_routing && geo.N > 0 &&
+      routed::decode_linear(g, as_rows(x), mask.reshape({geo.M}).contiguous(), weight_t, weight_v, b0, b1, out))
+    return {out.view(with_last(x, geo.N)), at::Tensor()};
+
   // A routing given: the gather GEMM reads it and routes nothing (2% of the forward at 4096 tokens).
   const routed::Routing r = present(given) ? routed::routing_of(*given, geo.M) : routed::route(mask);
   if (geo.M == 0 || geo.N == 0) {  // nothing to compute; the routing asked for is still written
     routed::ensure_routed(r);
     return {out.view(with_last(x, geo.N)), r.buffer};
   }
-  const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
-  routed::Experts w(weight_t, weight_v, /*single=*/false);  // expert 0 = text, 1 = vision
-  at::Tensor b0, b1;                                         // a missing bias of the two is zero
-  if (present(bias_v) || present(bias_t)) {
-    b0 = present(bias_t) ? vec(*bias_t) : at::zeros({geo.N}, x.options());
-    b1 = present(bias_v) ? vec(*bias_v) : at::zeros({geo.N}, x.options());
-  }
+  routed::Experts w(weight_t, weight_v, /*single=*/false);
   // K = 0 takes the pointer kernel (no TMA descriptor of an empty dimension): out = bias_e (or 0).
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);
   routed::linear(g, r, routed::tokens(as_rows(x)), w, b0, b1, routed::tokens(out), /*w_transposed=*/false, tma);

@@ -125,6 +125,14 @@ std::string grad_weight_key(const Gemm& g, bool gather, bool dbias, const Kernel
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"dbias", flag(dbias)},
                               {"cfg", c.cfg}}));
 }
+std::string decode_linear_key(const Gemm& g, bool bias, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"cfg", c.cfg}});
+}
+// decode_reduce_kernel's BLOCK_N (kernels/gemm_decode.py DECODE_REDUCE_COLS, in the key as "cols").
+constexpr int64_t kDecodeReduceCols = 512;
+std::string decode_reduce_key(const Gemm& g, bool bias) {
+  return make_key({{"dtype", g.dt}, {"bias", flag(bias)}, {"cols", std::to_string(kDecodeReduceCols)}});
+}
 std::string gather_rows_key(const Gemm& g, bool colsum) {
   return make_key({{"dtype", g.dt}, {"colsum", flag(colsum)}, {"rows", std::to_string(kGatherRows)},
                    {"cols", std::to_string(colsum ? kGatherColsColsum : kGatherCols)}});
@@ -569,6 +577,55 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 }
 
 namespace {
+// kernels/gemm_decode.py decode_split: (n_split, k_split) for n output columns and reduction length k: enough splits
+// that one expert's programs fill about twice the SMs (a decode token uses one expert), each split at least 4 K blocks
+// (fewer would spend more on the partial sums than they save); k_split a multiple of the K block.
+std::pair<int64_t, int64_t> decode_split(int64_t n, int64_t k, int64_t bn, int64_t bk, int64_t sms) {
+  const int64_t k_blocks = cdiv(k, bk);
+  const int64_t n_split = std::max<int64_t>(1, std::min(cdiv(2 * sms, cdiv(n, bn)), k_blocks / 4));
+  const int64_t k_split = std::max(cdiv(k_blocks, n_split) * bk, bk);
+  return {k > 0 ? cdiv(k, k_split) : 1, k_split};
+}
+}  // namespace
+
+bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& w_text,
+                   const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1,
+                   const at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const KernelConfig* c = find_config("routed_decode_linear_kernel", family(g), g.cc, M);
+  if (!c || config_off(*c)) return false;
+  if (const char* env = std::getenv("FUSED_DECODE_GEMM"); env && std::strcmp(env, "0") == 0) return false;
+  // aot/config_table.py checks that a decode bucket's max_m fits its BLOCK_M: one program holds every row
+  TORCH_INTERNAL_ASSERT(M <= c->block[0] && mask.is_contiguous() && mask.numel() == M && out.size(0) == M &&
+                        (K <= 1 || x.stride(1) == 1) && (N <= 1 || out.stride(1) == 1));
+  const at::Tensor w0 = unit_inner(w_text), w1 = unit_inner(w_vision);
+  const auto [n_split, k_split] = decode_split(N, K, c->block[1], c->block[2], g.sms);
+  const bool has_bias = bias0.defined();
+  TORCH_INTERNAL_ASSERT(has_bias == bias1.defined());
+  // More than one split: fp32 partial sums [n_split, M, N], every entry written by the programs of its row's expert.
+  const at::Tensor ws = n_split > 1 ? at::empty({n_split, M, N}, out.options().dtype(at::kFloat)) : out;
+  // Unused pointer arguments get out's (16-byte aligned) pointer so that they never block the aligned variant.
+  const void* b0 = has_bias ? bias0.data_ptr() : out.data_ptr();
+  const void* b1 = has_bias ? bias1.data_ptr() : out.data_ptr();
+  KernelArgs args;
+  args.ptr(x.data_ptr()).ptr(mask.data_ptr()).ptr(w0.data_ptr()).ptr(w1.data_ptr()).ptr(b0).ptr(b1)
+      .ptr(out.data_ptr()).ptr(ws.data_ptr())
+      .i32(M).i32(N).i32(K).i32(k_split).i32(x.stride(0)).i32(row_stride(w0)).i32(row_stride(w1)).i32(out.stride(0));
+  // grid (column tiles, splits, experts): the programs of an expert with no token exit before reading its weights
+  Grid tiles = grid(cdiv(N, c->block[1]), n_split);
+  tiles.z = 2;
+  launch_on_current_stream("routed_decode_linear_kernel", decode_linear_key(g, has_bias, *c), args, tiles, out);
+  if (n_split > 1) {
+    KernelArgs sum;
+    sum.ptr(ws.data_ptr()).ptr(mask.data_ptr()).ptr(b0).ptr(b1).ptr(out.data_ptr())
+        .i32(M).i32(N).i32(n_split).i32(out.stride(0));
+    launch_on_current_stream("decode_reduce_kernel", decode_reduce_key(g, has_bias), sum,
+                             grid(M, cdiv(N, kDecodeReduceCols)), out);
+  }
+  return true;
+}
+
+namespace {
 // The w_map argument of the unpaired gate/up kernels: each projection's expert order (kernels/gemm_tma.py
 // _swiglu_step).
 int swiglu_map(const Experts::Stacked& gate, const Experts::Stacked& up) { return gate.map | up.map << 2; }
@@ -863,6 +920,11 @@ std::vector<VariantRequest> requestable_variants(int cc) {
         for (bool save : {false, true}) out.insert({"routed_swiglu_kernel", swiglu_key(g, save, *c)});
       if (const KernelConfig* c = cfg("routed_grad_weight_kernel"))
         for (int f : kGradWeightFlags) out.insert({"routed_grad_weight_kernel", grad_weight_key(g, f & 2, f & 1, *c)});
+      if (const KernelConfig* c = optional_cfg("routed_decode_linear_kernel"))
+        for (bool bias : {false, true}) {
+          out.insert({"routed_decode_linear_kernel", decode_linear_key(g, bias, *c)});
+          out.insert({"decode_reduce_kernel", decode_reduce_key(g, bias)});
+        }
       if (!tma) continue;
       if (const KernelConfig* c = cfg("routed_linear_tma_kernel"))
         for (int f : kLinearTmaFlags)

@@ -245,6 +245,15 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
             const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma,
             const at::Tensor& residual = at::Tensor());
 
+// The linear forward of a few tokens (kernels/gemm_decode.py), with no routing: out[i] = x[i] · W_eᵀ (+ bias_e), e
+// the expert of mask[i], for x [M, K] in token order (unit inner stride), mask bool [M] contiguous, w_text / w_vision
+// [N, K] each with its own row stride (no copy in any layout), bias0 / bias1 as for linear, out [M, N]. Where its table
+// has a bucket for M (aot/configs/: a decode step's token counts) it launches the GEMM with its reduction split over
+// the grid (and, for more than one split, the in-order sum of the splits) and returns true; elsewhere it launches
+// nothing and returns false (the caller routes and takes linear).
+bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& w_text,
+                   const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1, const at::Tensor& out);
+
 // h = silu(a · W1_eᵀ) * (a · W3_eᵀ) into an expert-ordered h [r.rows(), I]; a [., H]; W1_e, W3_e [I, H]. Rows of h
 // that belong to no token are not written.
 // Pointer kernel: a in token order. TMA: a in token order is read in place for a single expert (as in linear),

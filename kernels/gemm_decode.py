@@ -1,0 +1,137 @@
+"""Decode GEMM (a few tokens, any sm_80+; kernels/GEMM.md kernels 11 and 11a): the routed linear forward as a weight
+stream.
+
+A decode step's GEMM (M = 1 to a few tokens) is bound by reading the weights once. A grid of [BLOCK_M, BLOCK_N] tiles
+over N alone leaves most SMs idle: 64 programs at N = 4096 with 64-column tiles, on 132 SMs, and one token uses one
+expert's half of them. Here the reduction is split too: program (n, s, e) reads the [BLOCK_N, k_split] slab s of
+expert e's weight W_e [N, K], so the launcher picks n_split (grid dimension 1) to fill the GPU.
+
+No routing: each program reads the (at most BLOCK_M) mask entries, exits before reading a weight byte when no token
+of its expert is present, and loads only its expert's rows of x (the others as zeros). Each token row belongs to one
+expert, so the programs of different experts write disjoint rows. One split: the program adds the bias and writes
+out. Several: it writes its fp32 partial sums to ws [n_split, M, N] (every entry whose row is its expert's), and
+decode_reduce_kernel adds the splits in split order (deterministic: no atomics) with the bias, into out.
+
+Conventions (experts e = 0 text / mask false, e = 1 vision / mask true; fp32 accumulation): kernels/gemm_tiles.py.
+Each expert's weight has its own base and row stride (two separate tensors in either memory order, or views of one),
+so no layout needs a copy.
+"""
+import triton
+import triton.language as tl
+
+from kernels.gemm_tiles import _add_bias
+from kernels.pdl import grid_dependency_sync
+
+
+@triton.jit
+def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, ws_ptr,
+                                M, N, K, k_split, stride_xm, stride_w0, stride_w1, stride_om,
+                                HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
+    """out[i] = x[i] W_{e(i)}^T (+ bias_{e(i)}) for the M <= BLOCK_M rows of x; k_split: the reduction length of one
+    split, a multiple of BLOCK_K (split s covers [s * k_split, (s + 1) * k_split) of K). GROUP_M: unused (the
+    config tables' shared fields)."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    e = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    in_m = rows < M
+    vision = tl.load(mask_ptr + rows, mask=in_m, other=0) != 0
+    mine = in_m & (vision == (e == 1))
+    if tl.max(mine.to(tl.int32), axis=0) > 0:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < N
+        k0 = s * k_split
+        if e == 0:
+            w_ptrs = w0_ptr + offs_n.to(tl.int64)[None, :] * stride_w0 + (k0 + offs_k)[:, None]
+        else:
+            w_ptrs = w1_ptr + offs_n.to(tl.int64)[None, :] * stride_w1 + (k0 + offs_k)[:, None]
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in range(0, k_split, BLOCK_K):
+            k_ok = (k0 + kk + offs_k) < K  # only the last split reaches past K
+            a = tl.load(x_ptrs, mask=mine[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        keep = mine[:, None] & n_ok[None, :]
+        if tl.num_programs(1) == 1:
+            if HAS_BIAS:
+                acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep)
+        else:
+            ws_ptrs = ws_ptr + ((s * M + rows).to(tl.int64) * N)[:, None] + offs_n[None, :]
+            tl.store(ws_ptrs, acc, mask=keep)
+
+
+@triton.jit
+def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, out_ptr, M, N, n_split, stride_om,
+                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    """out[i, n] = sum over s in order of ws[s, i, n] (+ bias_{e(i)}[n]); grid (M, cdiv(N, BLOCK_N))."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
+    i = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    ws_ptrs = ws_ptr + i.to(tl.int64) * N + offs_n
+    for _ in range(0, n_split):
+        acc += tl.load(ws_ptrs, mask=n_ok, other=0.0)
+        ws_ptrs += M.to(tl.int64) * N
+    if HAS_BIAS:
+        if tl.load(mask_ptr + i) != 0:
+            acc += tl.load(bias1_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        else:
+            acc += tl.load(bias0_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# The column block of decode_reduce_kernel (in its variant key as "cols"; csrc/ops/routed_gemm.cpp kDecodeReduceCols).
+DECODE_REDUCE_COLS = 512
+
+
+def decode_split(N, K, BN, BK, sms):
+    """(n_split, k_split) for N output columns and reduction length K: enough splits that one expert's programs fill
+    about twice the GPU's SMs, each split at least 4 K blocks; k_split a multiple of BK (csrc/ops/routed_gemm.cpp
+    decode_split computes the same)."""
+    tiles_n = triton.cdiv(N, BN)
+    k_blocks = triton.cdiv(K, BK)
+    n_split = max(1, min(triton.cdiv(2 * sms, tiles_n), k_blocks // 4))
+    k_split = triton.cdiv(k_blocks, n_split) * BK
+    return triton.cdiv(K, k_split) if K > 0 else 1, max(k_split, BK)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python launcher (JIT / TRITON_INTERPRET use; it also documents the grids for the C++ side)
+# ----------------------------------------------------------------------------------------------
+def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=None, sms=132, input_precision="tf32",
+                                BM=16, BN=64, BK=128, num_warps=4, num_stages=4):
+    """out [M, N] = x [M, K] through each row's expert (mask [M] bool: True = expert 1 = w1); M <= BM. n_split:
+    the number of reduction splits (default: decode_split's for `sms` SMs)."""
+    M, K = x.shape
+    N = w0.shape[0]
+    assert M <= BM and mask.shape == (M, )
+    if n_split is None:
+        n_split, k_split = decode_split(N, K, BN, BK, sms)
+    else:
+        k_split = max(triton.cdiv(triton.cdiv(K, n_split), BK) * BK, BK)
+    has_bias = bias0 is not None
+    if not has_bias:
+        bias0 = bias1 = out
+    import torch
+    # the workspace poisoned: every entry of a row must be written by its expert's programs
+    ws = torch.full((n_split, M, N), float("nan"), device=x.device) if n_split > 1 else out
+    m8 = mask.view(torch.uint8)
+    routed_decode_linear_kernel[(triton.cdiv(N, BN), n_split, 2)](
+        x, m8, w0, w1, bias0, bias1, out, ws, M, N, K, k_split, x.stride(0), w0.stride(0), w1.stride(0), out.stride(0),
+        HAS_BIAS=has_bias, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=1,
+        num_warps=num_warps, num_stages=num_stages)
+    if n_split > 1:
+        decode_reduce_kernel[(M, triton.cdiv(N, DECODE_REDUCE_COLS))](
+            ws, m8, bias0, bias1, out, M, N, n_split, out.stride(0), HAS_BIAS=has_bias, BLOCK_N=DECODE_REDUCE_COLS)
+    return out
+
