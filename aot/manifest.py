@@ -248,7 +248,7 @@ def _gemm_variants() -> List[Variant]:
         for spec in (_aligned(args), {}):
             out.append(Variant("kernels.gather_rows:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_ROWS}, args,
                                {"ROWS_PER_BLOCK": GATHER_ROWS, "BLOCK_B": 64, "BLOCK_C": 64}, spec, 4, 1, ARCHS))
-    from kernels.gemm_decode import DECODE_REDUCE_COLS
+    from kernels.gemm_decode import DECODE_MAX_SPLITS, DECODE_REDUCE_COLS
     # decode_reduce: the sum of the decode GEMM's split partials, + bias (kernels/gemm_decode.py), for the
     # architectures whose table has the decode GEMM
     decode_archs = tuple(a for a in ARCHS if any(config_table.buckets(table(a), "routed_decode_linear_kernel", f)
@@ -258,8 +258,10 @@ def _gemm_variants() -> List[Variant]:
         for bias in (0, 1):
             for spec in (_aligned(args), {}):
                 out.append(Variant("kernels.gemm_decode:decode_reduce_kernel",
-                                   {"dtype": dt, "bias": bias, "cols": DECODE_REDUCE_COLS}, args,
-                                   {"HAS_BIAS": bool(bias), "BLOCK_N": DECODE_REDUCE_COLS}, spec, 4, 1, decode_archs))
+                                   {"dtype": dt, "bias": bias, "cols": DECODE_REDUCE_COLS,
+                                    "splits": DECODE_MAX_SPLITS}, args,
+                                   {"HAS_BIAS": bool(bias), "MAX_SPLITS": DECODE_MAX_SPLITS,
+                                    "BLOCK_N": DECODE_REDUCE_COLS}, spec, 4, 1, decode_archs))
     for dt in DTYPES:  # swiglu_backward: elementwise (kernels/swiglu_backward.py); not configurable. gather=1: gate
         # and up saved by the forward in token order, read through perm into the backward's expert-ordered buffers.
         args = runtime_args("kernels.swiglu_backward:swiglu_backward_kernel", dt)

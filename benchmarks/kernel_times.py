@@ -3,14 +3,14 @@
 
     python3 benchmarks/kernel_times.py [--calls 20] [--only linear,ffn,decode]
 
-For the routed benchmarks' main cases (bf16): linear_dual forward and backward at M = K = N = 4096, ffn forward at
-M = 4096, H = 4096, I = 11008 (dual with a random mask, single), ffn decode steps (M = 1 and 16, single and dual,
-Llama-2 7B sizes). Per case: each kernel's mean device time per op call, and their sum next to the op's wall time per
-call measured with CUDA events over back-to-back calls (the difference is the gaps between kernels). The kernel table
-is taken with programmatic dependent launch off: with it on, a kernel starts early and waits for its predecessor, and
-the profiler counts that wait as its duration. The wall time is given both ways. Two experts' weights are views of
-one [2, R, C] tensor (the zero-copy layout of DualExpertSwiGLU / DualLinear). No targets: information for
-docs/perf.md. Exit 2 without CUDA.
+For the routed benchmarks' main cases (bf16): linear_dual forward and backward at M = K = N = 4096, ffn forward at M =
+4096, H = 4096, I = 11008 (dual with a random mask, single), ffn decode steps (M = 1 and 16, single and dual, Llama-2
+7B sizes; `--only linear_decode`: linear_dual at M = 1 and 16 with and without the decode GEMM). Per case: each
+kernel's mean device time per op call, and their sum next to the op's wall time per call measured with CUDA events
+over back-to-back calls (the difference is the gaps between kernels). The kernel table is taken with programmatic
+dependent launch off: with it on, a kernel starts early and waits for its predecessor, and the profiler counts that
+wait as its duration. The wall time is given both ways. Two experts' weights are views of one [2, R, C] tensor (the
+zero-copy layout of DualExpertSwiGLU / DualLinear). No targets: information for docs/perf.md. Exit 2 without CUDA.
 """
 from __future__ import annotations
 
@@ -125,6 +125,18 @@ def main(argv=None) -> int:
         for M in (1, 16):
             ffn_case(f"ffn decode single M={M}", M, False)
             ffn_case(f"ffn decode dual M={M}", M, True)
+    if "linear_decode" in only:  # the decode GEMM against the routed GEMMs (FUSED_DECODE_GEMM=0) on Llama-3-8B's
+        import os                # o and QKV projections and Llama-3-70B-TP8's QKV
+        for N, K in ((4096, 4096), (6144, 4096), (1280, 8192)):
+            wt, wv = rnd(2, N, K, scale=K ** -0.5).unbind(0)
+            for M in (1, 16):
+                x = rnd(M, K)
+                mask = torch.rand(M, generator=gen, device=dev) < 0.5
+                for env in ("1", "0"):
+                    os.environ["FUSED_DECODE_GEMM"] = env
+                    run(f"linear_dual decode N={N} K={K} M={M} FUSED_DECODE_GEMM={env}",
+                        lambda: ops.linear_dual(x, mask, wv, wt, None, None, False))
+                os.environ.pop("FUSED_DECODE_GEMM")
     return 0
 
 

@@ -4,13 +4,15 @@ stream.
 A decode step's GEMM (M = 1 to a few tokens) is bound by reading the weights once. A grid of [BLOCK_M, BLOCK_N] tiles
 over N alone leaves most SMs idle: 64 programs at N = 4096 with 64-column tiles, on 132 SMs, and one token uses one
 expert's half of them. Here the reduction is split too: program (n, s, e) reads the [BLOCK_N, k_split] slab s of
-expert e's weight W_e [N, K], so the launcher picks n_split (grid dimension 1) to fill the GPU.
+expert e's weight W_e [N, K], and the launcher picks n_split (grid dimension 1) to fill the GPU where N's column
+tiles alone do not (decode_split). The programs are not persistent: several fit on an SM, so a grid a little above
+the SM count has no tail wave (the persistent routed GEMMs at M = 1 with N = 4608-6144 do: 1.1-1.5 waves).
 
 No routing: each program reads the (at most BLOCK_M) mask entries, exits before reading a weight byte when no token
 of its expert is present, and loads only its expert's rows of x (the others as zeros). Each token row belongs to one
 expert, so the programs of different experts write disjoint rows. One split: the program adds the bias and writes
 out. Several: it writes its fp32 partial sums to ws [n_split, M, N] (every entry whose row is its expert's), and
-decode_reduce_kernel adds the splits in split order (deterministic: no atomics) with the bias, into out.
+decode_reduce_kernel sums the splits (in a fixed order: deterministic, no atomics) with the bias, into out.
 
 Conventions (experts e = 0 text / mask false, e = 1 vision / mask true; fp32 accumulation): kernels/gemm_tiles.py.
 Each expert's weight has its own base and row stride (two separate tensors in either memory order, or views of one),
@@ -71,17 +73,18 @@ def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias
 
 @triton.jit
 def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, out_ptr, M, N, n_split, stride_om,
-                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
-    """out[i, n] = sum over s in order of ws[s, i, n] (+ bias_{e(i)}[n]); grid (M, cdiv(N, BLOCK_N))."""
+                         HAS_BIAS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """out[i, n] = the sum of ws[s, i, n] over the n_split <= MAX_SPLITS splits (+ bias_{e(i)}[n]); grid
+    (M, cdiv(N, BLOCK_N)). All splits are loaded at once (one memory latency, not n_split in a row) and summed by one
+    tl.sum, whose order is fixed by the compiled kernel: the same bits on every run."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     i = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    ws_ptrs = ws_ptr + i.to(tl.int64) * N + offs_n
-    for _ in range(0, n_split):
-        acc += tl.load(ws_ptrs, mask=n_ok, other=0.0)
-        ws_ptrs += M.to(tl.int64) * N
+    splits = tl.arange(0, MAX_SPLITS)
+    ws_ptrs = ws_ptr + ((splits.to(tl.int64) * M + i) * N)[:, None] + offs_n[None, :]
+    acc = tl.sum(tl.load(ws_ptrs, mask=(splits < n_split)[:, None] & n_ok[None, :], other=0.0), axis=0)
     if HAS_BIAS:
         if tl.load(mask_ptr + i) != 0:
             acc += tl.load(bias1_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -90,17 +93,22 @@ def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, out_ptr, M, N, 
     tl.store(out_ptr + i.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-# The column block of decode_reduce_kernel (in its variant key as "cols"; csrc/ops/routed_gemm.cpp kDecodeReduceCols).
-DECODE_REDUCE_COLS = 512
+# decode_reduce_kernel's column block and most splits (in its variant key as "cols" and "splits"; csrc/ops/
+# routed_gemm.cpp kDecodeReduceCols, kDecodeMaxSplits).
+DECODE_REDUCE_COLS = 64
+DECODE_MAX_SPLITS = 32
 
 
 def decode_split(N, K, BN, BK, sms):
-    """(n_split, k_split) for N output columns and reduction length K: enough splits that one expert's programs fill
-    about twice the GPU's SMs, each split at least 4 K blocks; k_split a multiple of BK (csrc/ops/routed_gemm.cpp
-    decode_split computes the same)."""
+    """(n_split, k_split) for N output columns and reduction length K (csrc/ops/routed_gemm.cpp decode_split computes
+    the same). One split where one expert's column tiles reach half the SMs: its programs then read the weights about
+    as fast as split ones, and a second kernel (the sum of the splits, ~1.5 us on an H100, plus its launch gap) would
+    cost more than it saves. Below that, enough splits that one expert's programs number about twice the SMs, each
+    split at least 4 K blocks, at most DECODE_MAX_SPLITS. k_split is a multiple of BK."""
     tiles_n = triton.cdiv(N, BN)
     k_blocks = triton.cdiv(K, BK)
-    n_split = max(1, min(triton.cdiv(2 * sms, tiles_n), k_blocks // 4))
+    n_split = 1 if 2 * tiles_n >= sms else max(1, min(triton.cdiv(2 * sms, tiles_n), k_blocks // 4,
+                                                       DECODE_MAX_SPLITS))
     k_split = triton.cdiv(k_blocks, n_split) * BK
     return triton.cdiv(K, k_split) if K > 0 else 1, max(k_split, BK)
 
@@ -111,13 +119,14 @@ def decode_split(N, K, BN, BK, sms):
 def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=None, sms=132, input_precision="tf32",
                                 BM=16, BN=64, BK=128, num_warps=4, num_stages=4):
     """out [M, N] = x [M, K] through each row's expert (mask [M] bool: True = expert 1 = w1); M <= BM. n_split:
-    the number of reduction splits (default: decode_split's for `sms` SMs)."""
+    the number of reduction splits, at most DECODE_MAX_SPLITS (default: decode_split's for `sms` SMs)."""
     M, K = x.shape
     N = w0.shape[0]
     assert M <= BM and mask.shape == (M, )
     if n_split is None:
         n_split, k_split = decode_split(N, K, BN, BK, sms)
     else:
+        assert 1 <= n_split <= DECODE_MAX_SPLITS
         k_split = max(triton.cdiv(triton.cdiv(K, n_split), BK) * BK, BK)
     has_bias = bias0 is not None
     if not has_bias:
@@ -132,6 +141,7 @@ def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=N
         num_warps=num_warps, num_stages=num_stages)
     if n_split > 1:
         decode_reduce_kernel[(M, triton.cdiv(N, DECODE_REDUCE_COLS))](
-            ws, m8, bias0, bias1, out, M, N, n_split, out.stride(0), HAS_BIAS=has_bias, BLOCK_N=DECODE_REDUCE_COLS)
+            ws, m8, bias0, bias1, out, M, N, n_split, out.stride(0), HAS_BIAS=has_bias, MAX_SPLITS=DECODE_MAX_SPLITS,
+            BLOCK_N=DECODE_REDUCE_COLS)
     return out
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kernels.gather_rows import (GATHER_ROWS, launch_expert_colsum, launch_gather_rows,  # noqa: E402
                                  launch_route_gather_rows)
-from kernels.gemm_decode import decode_split, launch_routed_decode_linear  # noqa: E402
+from kernels.gemm_decode import DECODE_MAX_SPLITS, decode_split, launch_routed_decode_linear  # noqa: E402
 from kernels.gemm_gather_tma import launch_routed_linear_gather_tma, launch_routed_swiglu_gather_tma  # noqa: E402
 from kernels.gemm_pointer import launch_routed_linear, launch_routed_swiglu  # noqa: E402
 from kernels.gemm_tiles import _expert_tile_mn  # noqa: E402
@@ -177,7 +177,8 @@ def test_route_gather_rows(M, kind):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", MASKS)
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("n_split", [1, 3])  # 1: the program writes out; 3: fp32 partials + decode_reduce_kernel
+@pytest.mark.parametrize("n_split", [1, 3, DECODE_MAX_SPLITS])  # 1: the program writes out; more: fp32 partials
+# summed by decode_reduce_kernel (32 splits of K = 72: most of them wholly past K, their partials zero)
 def test_decode_linear(dtype, kind, bias, n_split):
     # M < BLOCK_M rows, N and K not multiples of their blocks (K = 72: the last split is partly past K), each expert's
     # weight with its own row stride (a column slice of a wider tensor, and a plain one)
@@ -210,18 +211,22 @@ def test_decode_linear_one_token_per_expert_and_full_block(M):
         assert rel_err(out, ref_linear(x, w0, w1, None, None, mask)) < 1e-5
 
 
-@pytest.mark.parametrize("N,K,sms", [(4096, 4096, 132), (1280, 8192, 132), (12288, 4096, 132), (4096, 100, 132),
-                                     (64, 0, 8), (28672, 4096, 114)])
+@pytest.mark.parametrize("N,K,sms", [(4096, 4096, 132), (1280, 8192, 132), (12288, 4096, 132), (1024, 100, 132),
+                                     (64, 0, 8), (28672, 4096, 114), (64, 65536, 132), (2048, 4096, 132)])
 def test_decode_split(N, K, sms):
-    # the launcher's split: k_split a multiple of BK, n_split slabs cover K (none wholly past it), at least 4 K blocks
-    # per split, and one expert's programs about twice the SM count where K allows
-    BN, BK = 64, 128
+    # the launcher's split: k_split a multiple of BK, n_split slabs cover K (none wholly past it); none where one
+    # expert's column tiles reach half the SMs; else at least 4 K blocks per split, at most DECODE_MAX_SPLITS (what
+    # decode_reduce_kernel sums), and one expert's programs about twice the SM count where K and that cap allow
+    BN, BK = 32, 256
     n_split, k_split = decode_split(N, K, BN, BK, sms)
     tiles, k_blocks = -(-N // BN), -(-K // BK)
-    assert k_split % BK == 0 and n_split >= 1
+    assert k_split % BK == 0 and 1 <= n_split <= DECODE_MAX_SPLITS
     assert n_split * k_split >= K and (n_split - 1) * k_split < max(K, 1)
-    assert n_split == 1 or k_split >= 4 * BK
-    assert tiles * n_split >= 0.9 * min(2 * sms, tiles * max(1, k_blocks // 4))
+    if 2 * tiles >= sms:
+        assert n_split == 1
+    else:
+        assert n_split == 1 or k_split >= 4 * BK
+        assert tiles * n_split >= 0.9 * min(2 * sms, tiles * max(1, k_blocks // 4), tiles * DECODE_MAX_SPLITS)
 
 
 # ------------------------------------------------------------------------------------ pointer linear
@@ -881,6 +886,17 @@ def test_shipped_config(kernel, fam, block, group, split):
     tol = 1e-5 if dtype == torch.float32 else 3e-3
     M, N, K = 150, 200, 136  # N, K: not multiples of any tile; rows 16-byte aligned for TMA
     gen = torch.Generator().manual_seed(21)
+    if kernel == "routed_decode_linear_kernel":  # a decode step: BLOCK_M - 3 rows, no routing, the reduction split
+        bm, bn, bk = block                       # in 2 (8 K blocks and a partial one, a "GPU" of 32 SMs)
+        Md, Kd = bm - 3, 8 * bk + 8
+        mask = make_mask("random", Md, gen)
+        x, w = rnd(gen, Md, Kd, dtype=dtype), rnd(gen, 2, N, Kd, dtype=dtype)
+        b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
+        assert decode_split(N, Kd, bn, bk, 32)[0] == 2
+        out = torch.full((Md, N), float("nan"), dtype=dtype)
+        launch_routed_decode_linear(x, mask, w[0], w[1], b0, b1, out, sms=32, input_precision=p, BM=bm, BN=bn, BK=bk)
+        assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < tol
+        return
     mask = make_mask("random", M, gen)
     perm, seg = route(mask, align=128)
     M_pad = perm.shape[0]

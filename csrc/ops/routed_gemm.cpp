@@ -128,10 +128,12 @@ std::string grad_weight_key(const Gemm& g, bool gather, bool dbias, const Kernel
 std::string decode_linear_key(const Gemm& g, bool bias, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"cfg", c.cfg}});
 }
-// decode_reduce_kernel's BLOCK_N (kernels/gemm_decode.py DECODE_REDUCE_COLS, in the key as "cols").
-constexpr int64_t kDecodeReduceCols = 512;
+// decode_reduce_kernel's BLOCK_N and MAX_SPLITS (kernels/gemm_decode.py DECODE_REDUCE_COLS, DECODE_MAX_SPLITS; in the
+// key as "cols" and "splits").
+constexpr int64_t kDecodeReduceCols = 64, kDecodeMaxSplits = 32;
 std::string decode_reduce_key(const Gemm& g, bool bias) {
-  return make_key({{"dtype", g.dt}, {"bias", flag(bias)}, {"cols", std::to_string(kDecodeReduceCols)}});
+  return make_key({{"dtype", g.dt}, {"bias", flag(bias)}, {"cols", std::to_string(kDecodeReduceCols)},
+                   {"splits", std::to_string(kDecodeMaxSplits)}});
 }
 std::string gather_rows_key(const Gemm& g, bool colsum) {
   return make_key({{"dtype", g.dt}, {"colsum", flag(colsum)}, {"rows", std::to_string(kGatherRows)},
@@ -577,12 +579,16 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 }
 
 namespace {
-// kernels/gemm_decode.py decode_split: (n_split, k_split) for n output columns and reduction length k: enough splits
-// that one expert's programs fill about twice the SMs (a decode token uses one expert), each split at least 4 K blocks
-// (fewer would spend more on the partial sums than they save); k_split a multiple of the K block.
+// kernels/gemm_decode.py decode_split: (n_split, k_split) for n output columns and reduction length k. One split
+// where one expert's column tiles (a decode token uses one expert) reach half the SMs: the second kernel that sums the
+// splits would cost more than it saves. Below that, enough splits that one expert's programs number about twice the
+// SMs, each split at least 4 K blocks (fewer would spend more on the partial sums than they save), at most
+// kDecodeMaxSplits (what decode_reduce_kernel sums). k_split is a multiple of the K block.
 std::pair<int64_t, int64_t> decode_split(int64_t n, int64_t k, int64_t bn, int64_t bk, int64_t sms) {
-  const int64_t k_blocks = cdiv(k, bk);
-  const int64_t n_split = std::max<int64_t>(1, std::min(cdiv(2 * sms, cdiv(n, bn)), k_blocks / 4));
+  const int64_t k_blocks = cdiv(k, bk), tiles_n = cdiv(n, bn);
+  const int64_t n_split = 2 * tiles_n >= sms ? 1
+                                             : std::max<int64_t>(1, std::min({cdiv(2 * sms, tiles_n), k_blocks / 4,
+                                                                              kDecodeMaxSplits}));
   const int64_t k_split = std::max(cdiv(k_blocks, n_split) * bk, bk);
   return {k > 0 ? cdiv(k, k_split) : 1, k_split};
 }
