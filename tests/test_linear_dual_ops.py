@@ -494,20 +494,24 @@ def test_decode(gpu_device, dtype, M, N, K):
 
 @pytest.mark.gpu
 def test_decode_kernels(gpu_device):
-    """What a decode step launches on sm_90: the decode GEMM alone, plus the in-order sum of its splits where the
-    reduction is split (N = 4096: 64 column tiles), nothing to route; 17 tokens take the routed GEMMs."""
+    """What a decode step launches on sm_90, nothing to route: the decode GEMM alone where one expert's column tiles
+    reach half the SMs (N = 4096: 128 tiles of 32), plus the sum of its splits where they do not (N = 1280, K = 8192:
+    Llama-3-70B's QKV on 8 GPUs); 17 tokens take the routed GEMMs."""
     if torch.cuda.get_device_capability(gpu_device) != (9, 0):
         pytest.skip("the decode GEMM is in the sm_90 table only")
-    x = torch.randn(17, 4096, device=gpu_device, dtype=torch.bfloat16)
+    if torch.cuda.get_device_properties(gpu_device).multi_processor_count > 256:
+        pytest.skip("more than 256 SMs: N = 4096 would be split too")
+    x = torch.randn(17, 8192, device=gpu_device, dtype=torch.bfloat16)
     mask = make_mask("random", (17,), gpu_device)
     wv, wt, bv, bt = make_weights(4096, 4096, torch.bfloat16, gpu_device, "both")
-    OPS.linear_dual(x, mask, wv, wt, bv, bt)  # loads the kernels
-    assert cuda_kernel_names(lambda: OPS.linear_dual(x[:1], mask[:1], wv, wt, bv, bt)) == [
-        "routed_decode_linear_kernel", "decode_reduce_kernel"]
-    w2v, w2t = wv[:, :512].contiguous(), wt[:, :512].contiguous()  # K = 512: 4 K blocks, one split
-    assert cuda_kernel_names(lambda: OPS.linear_dual(x[:16, :512], mask[:16], w2v, w2t)) == [
+    nv, nt, _, _ = make_weights(1280, 8192, torch.bfloat16, gpu_device, "none")
+    xs = x[:, :4096]
+    OPS.linear_dual(xs, mask, wv, wt, bv, bt)  # loads the kernels
+    assert cuda_kernel_names(lambda: OPS.linear_dual(xs[:1], mask[:1], wv, wt, bv, bt)) == [
         "routed_decode_linear_kernel"]
-    assert "routed_decode_linear_kernel" not in cuda_kernel_names(lambda: OPS.linear_dual(x, mask, wv, wt, bv, bt))
+    assert cuda_kernel_names(lambda: OPS.linear_dual(x[:16], mask[:16], nv, nt)) == [
+        "routed_decode_linear_kernel", "decode_reduce_kernel"]
+    assert "routed_decode_linear_kernel" not in cuda_kernel_names(lambda: OPS.linear_dual(xs, mask, wv, wt, bv, bt))
 
 
 # ----------------------------------------------------------------------------------------------------------------
