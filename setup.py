@@ -63,7 +63,7 @@ def check_variants(library):
         raise RuntimeError(f"fused_ops: the variant check could not load {library}:\n{res.stderr}")
     if res.stdout.strip():
         raise RuntimeError("fused_ops: the C++ launchers can ask for variants that aot/manifest.py does not compile "
-                           "(list them there, or drop them from the launcher's k*Flags):\n" + res.stdout)
+                           "(their config tables or FLAG_SETS lack them):\n" + res.stdout)
 
 
 sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))

@@ -155,6 +155,17 @@ def _config_rows(archs) -> str:
             f"const size_t kNumArchs = {len(archs)};")
 
 
+def _flag_rows() -> str:
+    """manifest.FLAG_SETS as kFlagSets (csrc/runtime/kernel_table.h): each combination an int, the first flag highest."""
+    arrays, rows = [], []
+    for i, (kernel, (names, combos)) in enumerate(manifest.FLAG_SETS.items()):
+        ints = [int("".join(str(int(b)) for b in c), 2) for c in combos]
+        arrays.append(f"const int kFlagCombos{i}[] = {{{', '.join(map(str, ints))}}};")
+        rows.append(f'{{"{kernel}", {len(names)}, kFlagCombos{i}, {len(ints)}}}')
+    return ("\n".join(arrays) + "\nconst FlagSet kFlagSets[] = {\n  " + ",\n  ".join(rows) + "};\n"
+            f"const size_t kNumFlagSets = {len(rows)};")
+
+
 def _check_shared(variants, archs, jobs_by_variant, cache_dir):
     """Every image must fit the shared memory of every device that runs it (manifest.SHARED_LIMIT)."""
     bad = []
@@ -219,7 +230,7 @@ def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
     parts += ["}  // namespace", "", "const KernelVariant kVariants[] = {\n  " + ",\n  ".join(table) + "};",
               f"const size_t kNumVariants = {len(table)};", "", _config_rows(archs),
               "const char* const kBuiltArchs = \"" + ", ".join(f"sm_{a}" for a in archs) +
-              f" (+PTX sm_{min(archs)})\";",
+              f" (+PTX sm_{min(archs)})\";", _flag_rows(),
               "}  // namespace fused", ""]
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:

@@ -156,6 +156,33 @@ def _rope_variants() -> List[Variant]:
 # (dtype, INPUT_PRECISION) units; "prec" is in every GEMM key (bf16/fp16 always "tf32": it does not matter for them).
 GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ieee"))
 
+# The flag combinations of the flagged GEMM kernels: kernel -> ((key name, constexpr), ...) and the combinations
+# compiled, one 0/1 per flag. This is the one list: aot/compile.py writes it into the generated kernel table
+# (kFlagSets, each combination an int whose bits are the flags in this order, the first highest), from which
+# csrc/ops/routed_gemm.cpp asserts that every request of a launcher is listed and forms every key a launcher can ask
+# for (the build's variant check). A launcher that needs a new combination adds it here, and only here.
+FLAG_SETS = {
+    # linear_dual forward with / without bias and its grad-input (and the pointer ffn backward's, all in token
+    # order); the ffn down projection (A = expert-ordered h) with / without the block's residual add
+    "routed_linear_kernel": ((("gather", "GATHER_A"), ("scatter", "SCATTER_OUT"), ("wt", "W_TRANSPOSED"),
+                              ("bias", "HAS_BIAS"), ("res", "HAS_RESIDUAL")),
+                             ((1, 1, 0, 1, 0), (1, 1, 0, 0, 0), (1, 1, 1, 0, 0), (0, 1, 0, 0, 0), (0, 1, 0, 0, 1))),
+    # the same with expert-ordered A: linear_dual forward / grad-input, the ffn down projection (scattered, or in place
+    # for a single expert in token order; with or without the residual add), the ffn backward (expert-ordered g, u, dh)
+    "routed_linear_tma_kernel": ((("scatter", "SCATTER_OUT"), ("wt", "W_TRANSPOSED"), ("bias", "HAS_BIAS"),
+                                  ("res", "HAS_RESIDUAL")),
+                                 ((1, 0, 1, 0), (1, 0, 0, 0), (1, 1, 0, 0), (0, 0, 0, 0), (0, 1, 0, 0), (1, 0, 0, 1),
+                                  (0, 0, 0, 1))),
+    # token-order dy / x with / without the bias gradients (linear_dual, the pointer ffn backward)
+    "routed_grad_weight_kernel": ((("gather", "GATHER"), ("dbias", "HAS_DBIAS")), ((1, 1), (1, 0))),
+}
+
+
+def flag_variants(kernel: str):
+    """(key entries, constexpr meta) of each flag combination FLAG_SETS lists for `kernel`."""
+    names, combos = FLAG_SETS[kernel]
+    return [({k: v for (k, _), v in zip(names, c)}, {m: bool(v) for (_, m), v in zip(names, c)}) for c in combos]
+
 
 # Row counts: no hint. They only bound rows (no vector access runs along them), and M_pad = M + 128 of an unaligned
 # routing is rarely a multiple of 16: a hint on it would send every such call (one decode token: M_pad = 129) to the
@@ -273,17 +300,12 @@ def _gemm_variants() -> List[Variant]:
         fam = config_table.family(dt, prec)
         base = {"dtype": dt, "prec": prec}
 
-        # routed_linear_kernel (pointer loads): (GATHER_A, SCATTER_OUT, W_TRANSPOSED, HAS_BIAS, HAS_RESIDUAL)
-        # combinations used by linear_dual forward (with / without bias) and grad-input, and by the ffn down
-        # projection (A = h; with the block's residual add or without). csrc/ops/routed_gemm.cpp kLinearFlags.
+        # routed_linear_kernel (pointer loads): its FLAG_SETS combinations.
         args = runtime_args("kernels.gemm_pointer:routed_linear_kernel", dt)
         for cfg, archs in configs("routed_linear_kernel", fam):
-            for gather, scatter, wt, bias, res in ((1, 1, 0, 1, 0), (1, 1, 0, 0, 0), (1, 1, 1, 0, 0), (0, 1, 0, 0, 0),
-                                                   (0, 1, 0, 0, 1)):
-                key = dict(base, gather=gather, scatter=scatter, wt=wt, bias=bias, res=res)
-                meta = _tile_meta(cfg, prec, HAS_BIAS=bias, HAS_RESIDUAL=res, GATHER_A=gather, SCATTER_OUT=scatter,
-                                  W_TRANSPOSED=wt)
-                out += _both("kernels.gemm_pointer:routed_linear_kernel", key, args, meta, cfg, archs)
+            for key, flags in flag_variants("routed_linear_kernel"):
+                out += _both("kernels.gemm_pointer:routed_linear_kernel", dict(base, **key), args,
+                             _tile_meta(cfg, prec, **flags), cfg, archs)
 
         # routed_decode_linear_kernel (pointer loads, any sm_80+): the linear forward of a few tokens with the
         # reduction split over the grid, no routing (kernels/gemm_decode.py); with / without bias. Only for the m its
@@ -308,28 +330,25 @@ def _gemm_variants() -> List[Variant]:
         # ffn backward. (Expert-ordered buffers, on sm_90, go to routed_grad_weight_tma_kernel.)
         args = runtime_args("kernels.grad_weight:routed_grad_weight_kernel", dt)
         for cfg, archs in configs("routed_grad_weight_kernel", fam):
-            for dbias in (1, 0):
-                meta = _tile_meta(cfg, prec, _NKR, GATHER=True, HAS_DBIAS=dbias, ACCUMULATE=False)
-                out += _both("kernels.grad_weight:routed_grad_weight_kernel", dict(base, gather=1, dbias=dbias), args,
-                             meta, cfg, archs)
+            for key, flags in flag_variants("routed_grad_weight_kernel"):
+                meta = _tile_meta(cfg, prec, _NKR, ACCUMULATE=False, **flags)
+                out += _both("kernels.grad_weight:routed_grad_weight_kernel", dict(base, **key), args, meta, cfg,
+                             archs)
 
         # routed_linear_tma_kernel (sm_90): A expert-ordered through a [BM, BK] descriptor, W stacked [E, R, C]
         # through a rank-3 descriptor ([1, BN, BK], or [1, BK, BN] when W_TRANSPOSED), and through one of half the
         # columns for the split last round (kernels/gemm_tiles.py _split_tail; compiled in where the config has
-        # "split"). (SCATTER_OUT, W_TRANSPOSED, HAS_BIAS, HAS_RESIDUAL): linear_dual forward / grad-input, ffn down
-        # projection (scattered, or in place for a single expert in token order; with or without the block's residual
-        # add), ffn backward (expert-ordered g, u, dh). csrc/ops/routed_gemm.cpp kLinearTmaFlags.
+        # "split"); its FLAG_SETS combinations.
         for cfg, archs in configs("routed_linear_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
-            for scatter, wt, bias, res in ((1, 0, 1, 0), (1, 0, 0, 0), (1, 1, 0, 0), (0, 0, 0, 0), (0, 1, 0, 0),
-                                           (1, 0, 0, 1), (0, 0, 0, 1)):
+            for key, flags in flag_variants("routed_linear_tma_kernel"):
+                wt = key["wt"]
                 wblock = f"1, {bk}, {bn}" if wt else f"1, {bn}, {bk}"
                 hblock = f"1, {bk}, {bn // 2}" if wt else f"1, {bn // 2}, {bk}"
                 args = runtime_args("kernels.gemm_tma:routed_linear_tma_kernel", dt,
                                     {"a_desc": f"{bm}, {bk}", "w_desc": wblock, "wh_desc": hblock})
-                meta = _split_meta(cfg, prec, HAS_BIAS=bias, HAS_RESIDUAL=res, SCATTER_OUT=scatter, W_TRANSPOSED=wt)
-                out += _both("kernels.gemm_tma:routed_linear_tma_kernel",
-                             dict(base, scatter=scatter, wt=wt, bias=bias, res=res), args, meta, cfg, archs)
+                out += _both("kernels.gemm_tma:routed_linear_tma_kernel", dict(base, **key), args,
+                             _split_meta(cfg, prec, **flags), cfg, archs)
 
         # routed_linear_gather_tma_kernel (sm_90): the linear forward with A in token order, its rows gathered by
         # pointer loads inside the GEMM (no gather copy), W through TMA, rows scattered; with / without bias. It routes

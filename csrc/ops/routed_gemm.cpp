@@ -7,7 +7,6 @@
 
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -59,13 +58,22 @@ constexpr int64_t kGatherCols = 128, kGatherColsColsum = 1024;
 static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums must not mix experts");
 
 // ---- variant keys: one function per kernel forms every key its launcher asks for. Where a key has flags, the
-// combinations the launchers below pass are listed beside it (k*Flags, each flag a bit, first argument highest) and
-// asserted when the key is made; requestable_variants() (end of file) forms every key from the same lists, so that
-// the build checks that aot/manifest.py compiles each one (setup.py; tests/test_variant_check.py).
-template <size_t N>
-std::string listed_key(const std::array<int, N>& listed, int flags, const char* kernel, std::string key) {
-  TORCH_INTERNAL_ASSERT(std::find(listed.begin(), listed.end(), flags) != listed.end(), "routed GEMM: ", kernel,
-                        " asked for flags ", flags, " that its k*Flags list (csrc/ops/routed_gemm.cpp) does not hold");
+// combinations compiled are aot/manifest.py's FLAG_SETS, which the generated table holds (kFlagSets): the key function
+// asserts that a launcher's request is one of them, and requestable_variants() (end of file) forms every key from
+// them, so that the build checks that each one's configs and routings are compiled (setup.py;
+// tests/test_variant_check.py). Flags go in FLAG_SETS' order (the key functions' parameter order), the first highest.
+const FlagSet& flag_set(const char* kernel) {
+  const FlagSet* found = nullptr;
+  for (size_t i = 0; i < kNumFlagSets && !found; ++i)
+    if (std::strcmp(kFlagSets[i].kernel, kernel) == 0) found = &kFlagSets[i];
+  TORCH_INTERNAL_ASSERT(found, "routed GEMM: aot/manifest.py FLAG_SETS has no entry for ", kernel);
+  return *found;
+}
+std::string listed_key(int flags, const char* kernel, std::string key) {
+  const FlagSet& s = flag_set(kernel);
+  TORCH_INTERNAL_ASSERT(std::find(s.combos, s.combos + s.num_combos, flags) != s.combos + s.num_combos,
+                        "routed GEMM: ", kernel, " asked for flags ", flags,
+                        " that aot/manifest.py FLAG_SETS does not list (add them there)");
   return key;
 }
 int bits(std::initializer_list<bool> flags) {
@@ -73,23 +81,23 @@ int bits(std::initializer_list<bool> flags) {
   for (bool f : flags) b = b << 1 | (f ? 1 : 0);
   return b;
 }
+// Flag f (0 = the first, highest) of a combination of n flags.
+bool flag_bit(int combo, int n, int f) { return (combo >> (n - 1 - f)) & 1; }
 std::string align_str(bool aligned) { return std::to_string(aligned ? kAlign : 1); }
 
 // routed_linear_kernel (gather, scatter, wt, bias, res): linear_dual forward with / without bias, its grad-input (and
 // the pointer ffn backward's, all in token order), the ffn down projection (A = expert-ordered h) with / without the
 // residual add.
-constexpr std::array<int, 5> kLinearFlags = {0b11010, 0b11000, 0b11100, 0b01000, 0b01001};
 std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, bool bias, bool res, const KernelConfig& c) {
-  return listed_key(kLinearFlags, bits({gather, scatter, wt, bias, res}), "routed_linear_kernel",
+  return listed_key(bits({gather, scatter, wt, bias, res}), "routed_linear_kernel",
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"scatter", flag(scatter)},
                               {"wt", flag(wt)}, {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg}}));
 }
 // routed_linear_tma_kernel (scatter, wt, bias, res): the same with expert-ordered A, the ffn backward's expert-ordered
 // outputs (not scattered), and the ffn down projection into token-order rows (scattered, or in place for a single
 // expert read in place) with / without the residual add.
-constexpr std::array<int, 7> kLinearTmaFlags = {0b1010, 0b1000, 0b1100, 0b0000, 0b0100, 0b1001, 0b0001};
 std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, bool bias, bool res, const KernelConfig& c) {
-  return listed_key(kLinearTmaFlags, bits({scatter, wt, bias, res}), "routed_linear_tma_kernel",
+  return listed_key(bits({scatter, wt, bias, res}), "routed_linear_tma_kernel",
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", flag(scatter)}, {"wt", flag(wt)},
                               {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg}}));
 }
@@ -119,9 +127,8 @@ std::string grad_weight_tma_key(const Gemm& g, const KernelConfig& c) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
 }
 // routed_grad_weight_kernel (gather, dbias): token-order dy / x (linear_dual, the pointer ffn backward).
-constexpr std::array<int, 2> kGradWeightFlags = {0b11, 0b10};
 std::string grad_weight_key(const Gemm& g, bool gather, bool dbias, const KernelConfig& c) {
-  return listed_key(kGradWeightFlags, bits({gather, dbias}), "routed_grad_weight_kernel",
+  return listed_key(bits({gather, dbias}), "routed_grad_weight_kernel",
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"dbias", flag(dbias)},
                               {"cfg", c.cfg}}));
 }
@@ -919,13 +926,18 @@ std::vector<VariantRequest> requestable_variants(int cc) {
         return c && !config_off(*c) ? c : nullptr;
       };
       const int64_t routes[] = {0, one_block_size(m)};  // the token-order GEMMs' ROUTE_BLOCK (0: routed already)
+      // every listed flag combination of the flagged kernels, each flag taken from its bit (flag_bit)
+      const auto each_combo = [&](const char* kernel, auto&& key) {
+        const FlagSet& s = flag_set(kernel);
+        for (int i = 0; i < s.num_combos; ++i)
+          out.insert({kernel, key([&](int f) { return flag_bit(s.combos[i], s.num_flags, f); })});
+      };
       if (const KernelConfig* c = cfg("routed_linear_kernel"))
-        for (int f : kLinearFlags)
-          out.insert({"routed_linear_kernel", linear_key(g, f & 16, f & 8, f & 4, f & 2, f & 1, *c)});
+        each_combo("routed_linear_kernel", [&](auto b) { return linear_key(g, b(0), b(1), b(2), b(3), b(4), *c); });
       if (const KernelConfig* c = cfg("routed_swiglu_kernel"))
         for (bool save : {false, true}) out.insert({"routed_swiglu_kernel", swiglu_key(g, save, *c)});
       if (const KernelConfig* c = cfg("routed_grad_weight_kernel"))
-        for (int f : kGradWeightFlags) out.insert({"routed_grad_weight_kernel", grad_weight_key(g, f & 2, f & 1, *c)});
+        each_combo("routed_grad_weight_kernel", [&](auto b) { return grad_weight_key(g, b(0), b(1), *c); });
       if (const KernelConfig* c = optional_cfg("routed_decode_linear_kernel"))
         for (bool bias : {false, true}) {
           out.insert({"routed_decode_linear_kernel", decode_linear_key(g, bias, *c)});
@@ -933,8 +945,7 @@ std::vector<VariantRequest> requestable_variants(int cc) {
         }
       if (!tma) continue;
       if (const KernelConfig* c = cfg("routed_linear_tma_kernel"))
-        for (int f : kLinearTmaFlags)
-          out.insert({"routed_linear_tma_kernel", linear_tma_key(g, f & 8, f & 4, f & 2, f & 1, *c)});
+        each_combo("routed_linear_tma_kernel", [&](auto b) { return linear_tma_key(g, b(0), b(1), b(2), b(3), *c); });
       if (const KernelConfig* c = cfg("routed_grad_weight_tma_kernel"))
         out.insert({"routed_grad_weight_tma_kernel", grad_weight_tma_key(g, *c)});
       if (const KernelConfig* c = optional_cfg("routed_linear_gather_tma_kernel"))

@@ -72,4 +72,16 @@ extern const size_t kNumConfigs;
 extern const int kArchs[];  // the built architectures, increasing
 extern const size_t kNumArchs;
 
+// The flag combinations a flagged kernel is compiled for, which are the ones its launcher may ask for
+// (aot/manifest.py FLAG_SETS, the one list of them): each an int whose bits are the kernel's flags in the manifest's
+// order, the first the highest.
+struct FlagSet {
+  const char* kernel;
+  int num_flags;
+  const int* combos;
+  int num_combos;
+};
+extern const FlagSet kFlagSets[];
+extern const size_t kNumFlagSets;
+
 }  // namespace fused
