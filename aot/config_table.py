@@ -19,7 +19,7 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
   GEMMs, SPLIT_CONFIG below) compiles in the split of a last partial round in column halves (kernels/gemm_tiles.py
   _split_tail; the paired gate/up GEMM always has it). An optional `why` says where a value comes from.
 * `"off": true` (only for kernels that are an alternative design, OPTIONAL below): the kernel is not used for the
-  bucket's m, and the launcher takes the other design (for routed_decode_{linear,swiglu}_kernel: the routed GEMMs; for
+  bucket's m, and the launcher takes the other design (for routed_decode_linear_kernel: the routed linear GEMMs; for
   routed_{linear,swiglu}_gather_tma_kernel: a gather copy, then routed_{linear,swiglu}_tma_kernel; for
   routed_swiglu_pair_tma_kernel: routed_swiglu_tma_kernel; for routed_swiglu_pair_bwd_tma_kernel: two
   routed_linear_tma_kernel GEMMs and swiglu_backward_kernel). A family without entries for such a kernel also takes
@@ -53,7 +53,6 @@ KERNELS = {
     "routed_swiglu_gather_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
     # the linear forward of a few tokens (decode), the reduction split over the grid; no routing, so no row-tile rule
     "routed_decode_linear_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", False, None),
-    "routed_decode_swiglu_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", False, None),
     # the gate/up GEMM with both weights through one rank-4 descriptor and one MMA of 2 x BLOCK_N columns
     "routed_swiglu_pair_tma_kernel": (("half", "tf32"), "BLOCK_M x BLOCK_N x BLOCK_K", True, 0),
     # its backward twin: the ffn backward's gate/up recompute with the SwiGLU backward in the epilogue
@@ -62,10 +61,10 @@ KERNELS = {
 # kernels whose buckets may be "off": an alternative design (gather inside the GEMM instead of a gather copy; gate
 # and up in one MMA instead of two; a split-reduction decode GEMM), which the launcher takes only where its table
 # says so
-OPTIONAL = {"routed_decode_linear_kernel", "routed_decode_swiglu_kernel", "routed_linear_gather_tma_kernel",
-            "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
+OPTIONAL = {"routed_decode_linear_kernel", "routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel",
+            "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
 # kernels whose program holds all m rows in one BLOCK_M (the decode GEMM): their buckets end at block[0]
-ROWS_IN_ONE_BLOCK = {"routed_decode_linear_kernel", "routed_decode_swiglu_kernel"}
+ROWS_IN_ONE_BLOCK = {"routed_decode_linear_kernel"}
 # the persistent TMA GEMMs, whose tile loop may be flattened into the K loop ("flatten": true; tl.range(flatten=True))
 PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_linear_gather_tma_kernel",
               "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}

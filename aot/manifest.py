@@ -175,10 +175,6 @@ FLAG_SETS = {
                                   (0, 0, 0, 1))),
     # token-order dy / x with / without the bias gradients (linear_dual, the pointer ffn backward)
     "routed_grad_weight_kernel": ((("gather", "GATHER"), ("dbias", "HAS_DBIAS")), ((1, 1), (1, 0))),
-    # the decode GEMM and the sum of its splits: linear_dual with / without bias, the ffn's down projection with /
-    # without the block's residual add
-    "routed_decode_linear_kernel": ((("bias", "HAS_BIAS"), ("res", "HAS_RESIDUAL")), ((1, 0), (0, 0), (0, 1))),
-    "decode_reduce_kernel": ((("bias", "HAS_BIAS"), ("res", "HAS_RESIDUAL")), ((1, 0), (0, 0), (0, 1))),
 }
 
 
@@ -280,18 +276,19 @@ def _gemm_variants() -> List[Variant]:
             out.append(Variant("kernels.gather_rows:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_ROWS}, args,
                                {"ROWS_PER_BLOCK": GATHER_ROWS, "BLOCK_B": 64, "BLOCK_C": 64}, spec, 4, 1, ARCHS))
     from kernels.gemm_decode import DECODE_MAX_SPLITS, DECODE_REDUCE_COLS
-    # decode_reduce: the sum of the decode GEMM's split partials, + bias or residual (kernels/gemm_decode.py), for
-    # the architectures whose table has the decode GEMM
+    # decode_reduce: the sum of the decode GEMM's split partials, + bias (kernels/gemm_decode.py), for the
+    # architectures whose table has the decode GEMM
     decode_archs = tuple(a for a in ARCHS if any(config_table.buckets(table(a), "routed_decode_linear_kernel", f)
                                                  for f in ("half", "tf32", "ieee")))
     for dt in DTYPES if decode_archs else ():
         args = runtime_args("kernels.gemm_decode:decode_reduce_kernel", dt)
-        for key, flags in flag_variants("decode_reduce_kernel"):
+        for bias in (0, 1):
             for spec in (_aligned(args), {}):
                 out.append(Variant("kernels.gemm_decode:decode_reduce_kernel",
-                                   dict(key, dtype=dt, cols=DECODE_REDUCE_COLS, splits=DECODE_MAX_SPLITS), args,
-                                   dict(flags, MAX_SPLITS=DECODE_MAX_SPLITS, BLOCK_N=DECODE_REDUCE_COLS), spec, 4, 1,
-                                   decode_archs))
+                                   {"dtype": dt, "bias": bias, "cols": DECODE_REDUCE_COLS,
+                                    "splits": DECODE_MAX_SPLITS}, args,
+                                   {"HAS_BIAS": bool(bias), "MAX_SPLITS": DECODE_MAX_SPLITS,
+                                    "BLOCK_N": DECODE_REDUCE_COLS}, spec, 4, 1, decode_archs))
     for dt in DTYPES:  # swiglu_backward: elementwise (kernels/swiglu_backward.py); not configurable. gather=1: gate
         # and up saved by the forward in token order, read through perm into the backward's expert-ordered buffers.
         args = runtime_args("kernels.swiglu_backward:swiglu_backward_kernel", dt)
@@ -311,18 +308,13 @@ def _gemm_variants() -> List[Variant]:
                              _tile_meta(cfg, prec, **flags), cfg, archs)
 
         # routed_decode_linear_kernel (pointer loads, any sm_80+): the linear forward of a few tokens with the
-        # reduction split over the grid, no routing (kernels/gemm_decode.py); its FLAG_SETS combinations. Only for the
-        # m its table's buckets serve (an alternative design: other m, and tables without it, take the kernels above).
-        # routed_decode_swiglu_kernel: the ffn's gate/up GEMM on the same scheme.
+        # reduction split over the grid, no routing (kernels/gemm_decode.py); with / without bias. Only for the m its
+        # table's buckets serve (an alternative design: other m, and tables without it, take the kernels above).
         args = runtime_args("kernels.gemm_decode:routed_decode_linear_kernel", dt)
         for cfg, archs in configs("routed_decode_linear_kernel", fam):
-            for key, flags in flag_variants("routed_decode_linear_kernel"):
-                out += _both("kernels.gemm_decode:routed_decode_linear_kernel", dict(base, **key), args,
-                             _tile_meta(cfg, prec, **flags), cfg, archs)
-        args = runtime_args("kernels.gemm_decode:routed_decode_swiglu_kernel", dt)
-        for cfg, archs in configs("routed_decode_swiglu_kernel", fam):
-            out += _both("kernels.gemm_decode:routed_decode_swiglu_kernel", dict(base), args, _tile_meta(cfg, prec),
-                         cfg, archs)
+            for bias in (1, 0):
+                out += _both("kernels.gemm_decode:routed_decode_linear_kernel", dict(base, bias=bias), args,
+                             _tile_meta(cfg, prec, HAS_BIAS=bias), cfg, archs)
 
         # routed_swiglu_kernel (pointer loads): x gathered through perm -> expert-ordered h.
         args = runtime_args("kernels.gemm_pointer:routed_swiglu_kernel", dt)

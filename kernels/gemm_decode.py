@@ -1,5 +1,5 @@
-"""Decode GEMMs (a few tokens, any sm_80+; kernels/GEMM.md kernels 11, 11a, 11b): the routed linear forward and the
-ffn's gate/up GEMM as weight streams.
+"""Decode GEMM (a few tokens, any sm_80+; kernels/GEMM.md kernels 11 and 11a): the routed linear forward as a weight
+stream.
 
 A decode step's GEMM (M = 1 to a few tokens) is bound by reading the weights once. A grid of [BLOCK_M, BLOCK_N] tiles
 over N alone leaves most SMs idle: 64 programs at N = 4096 with 64-column tiles, on 132 SMs, and one token uses one
@@ -10,13 +10,9 @@ the SM count has no tail wave (the persistent routed GEMMs at M = 1 with N = 460
 
 No routing: each program reads the (at most BLOCK_M) mask entries, exits before reading a weight byte when no token
 of its expert is present, and loads only its expert's rows of x (the others as zeros). Each token row belongs to one
-expert, so the programs of different experts write disjoint rows. One split: the program adds the bias (and a
-residual: the ffn's down projection) and writes out. Several: it writes its fp32 partial sums to ws [n_split, M, N]
-(every entry whose row is its expert's), and decode_reduce_kernel sums the splits (in a fixed order: deterministic,
-no atomics) with the bias and residual, into out. One expert (the single-expert ffn): a grid of one expert, no mask.
-
-routed_decode_swiglu_kernel is the ffn's gate/up GEMM of a decode step on the same scheme, both weights' tiles per K
-step and h = silu(gate) * up in token order, unsplit (the ffn's intermediate sizes fill the GPU with column tiles).
+expert, so the programs of different experts write disjoint rows. One split: the program adds the bias and writes
+out. Several: it writes its fp32 partial sums to ws [n_split, M, N] (every entry whose row is its expert's), and
+decode_reduce_kernel sums the splits (in a fixed order: deterministic, no atomics) with the bias, into out.
 
 Conventions (experts e = 0 text / mask false, e = 1 vision / mask true; fp32 accumulation): kernels/gemm_tiles.py.
 Each expert's weight has its own base and row stride (two separate tensors in either memory order, or views of one),
@@ -25,68 +21,37 @@ so no layout needs a copy.
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import _add_bias, _silu_mul
+from kernels.gemm_tiles import _add_bias
 from kernels.pdl import grid_dependency_sync
 
 
 @triton.jit
-def _decode_rows(mask_ptr, M, e, BLOCK_M: tl.constexpr):
-    """(rows, mine): the BLOCK_M row indices and which of them are token rows of expert e. One expert (a grid of one
-    expert, dimension 2): every row below M, the mask not read."""
-    rows = tl.arange(0, BLOCK_M)
-    mine = rows < M
-    if tl.num_programs(2) > 1:
-        vision = tl.load(mask_ptr + rows, mask=mine, other=0) != 0
-        mine = mine & (vision == (e == 1))
-    return rows, mine
-
-
-@triton.jit
-def _decode_ptrs(x_ptr, w_ptr, rows, offs_n, k0, stride_xm, stride_w, BLOCK_K: tl.constexpr):
-    """x's [BLOCK_M, BLOCK_K] and W's [BLOCK_K, BLOCK_N] (W^T) pointers at reduction index k0."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
-    return x_ptrs, w_ptrs
-
-
-@triton.jit
-def _decode_epilogue(acc, rows, mine, offs_n, N, e, bias0_ptr, bias1_ptr, res_ptr, out_ptr, stride_om,
-                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """out[rows of e, offs_n] = acc (+ bias_e) (+ residual, a tensor of out's layout and row stride), one rounding."""
-    if HAS_BIAS:
-        acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-    offs = rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    keep = mine[:, None] & (offs_n < N)[None, :]
-    if HAS_RESIDUAL:
-        acc += tl.load(res_ptr + offs, mask=keep, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=keep)
-
-
-@triton.jit
-def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, res_ptr, out_ptr, ws_ptr,
+def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, ws_ptr,
                                 M, N, K, k_split, stride_xm, stride_w0, stride_w1, stride_om,
-                                HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
-    """out[i] = x[i] W_{e(i)}^T (+ bias_{e(i)}) (+ residual[i]) for the M <= BLOCK_M rows of x; k_split: the reduction
-    length of one split, a multiple of BLOCK_K (split s covers [s * k_split, (s + 1) * k_split) of K). Grid
-    (cdiv(N, BLOCK_N), n_split, experts): one expert (grid dimension 2 of 1) reads no mask. GROUP_M: unused (the
+    """out[i] = x[i] W_{e(i)}^T (+ bias_{e(i)}) for the M <= BLOCK_M rows of x; k_split: the reduction length of one
+    split, a multiple of BLOCK_K (split s covers [s * k_split, (s + 1) * k_split) of K). GROUP_M: unused (the
     config tables' shared fields)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     e = tl.program_id(2)
-    rows, mine = _decode_rows(mask_ptr, M, e, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    in_m = rows < M
+    vision = tl.load(mask_ptr + rows, mask=in_m, other=0) != 0
+    mine = in_m & (vision == (e == 1))
     if tl.max(mine.to(tl.int32), axis=0) > 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         n_ok = offs_n < N
         k0 = s * k_split
         if e == 0:
-            x_ptrs, w_ptrs = _decode_ptrs(x_ptr, w0_ptr, rows, offs_n, k0, stride_xm, stride_w0, BLOCK_K)
+            w_ptrs = w0_ptr + offs_n.to(tl.int64)[None, :] * stride_w0 + (k0 + offs_k)[:, None]
         else:
-            x_ptrs, w_ptrs = _decode_ptrs(x_ptr, w1_ptr, rows, offs_n, k0, stride_xm, stride_w1, BLOCK_K)
+            w_ptrs = w1_ptr + offs_n.to(tl.int64)[None, :] * stride_w1 + (k0 + offs_k)[:, None]
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in range(0, k_split, BLOCK_K):
             k_ok = (k0 + kk + offs_k) < K  # only the last split reaches past K
@@ -95,60 +60,24 @@ def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        keep = mine[:, None] & n_ok[None, :]
         if tl.num_programs(1) == 1:
-            _decode_epilogue(acc, rows, mine, offs_n, N, e, bias0_ptr, bias1_ptr, res_ptr, out_ptr, stride_om,
-                             HAS_BIAS, HAS_RESIDUAL)
+            if HAS_BIAS:
+                acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep)
         else:
             ws_ptrs = ws_ptr + ((s * M + rows).to(tl.int64) * N)[:, None] + offs_n[None, :]
-            tl.store(ws_ptrs, acc, mask=mine[:, None] & n_ok[None, :])
+            tl.store(ws_ptrs, acc, mask=keep)
 
 
 @triton.jit
-def routed_decode_swiglu_kernel(x_ptr, mask_ptr, w1_0_ptr, w1_1_ptr, w3_0_ptr, w3_1_ptr, h_ptr, M, N, K, stride_xm,
-                                stride_w1_0, stride_w1_1, stride_w3_0, stride_w3_1, stride_hm,
-                                INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
-    """h[i] = silu(x[i] W1_{e(i)}^T) * (x[i] W3_{e(i)}^T) in token order, [M, N], for the M <= BLOCK_M rows of x: the
-    ffn's gate/up GEMM of a decode step, both weights' tiles per K step, the whole reduction in one program (the
-    launcher takes it only where N's column tiles fill the GPU unsplit). Grid (cdiv(N, BLOCK_N), 1, experts)."""
-    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
-    pid_n = tl.program_id(0)
-    e = tl.program_id(2)
-    rows, mine = _decode_rows(mask_ptr, M, e, BLOCK_M)
-    if tl.max(mine.to(tl.int32), axis=0) > 0:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        n_ok = offs_n < N
-        if e == 0:
-            x_ptrs, g_ptrs = _decode_ptrs(x_ptr, w1_0_ptr, rows, offs_n, 0, stride_xm, stride_w1_0, BLOCK_K)
-            x_ptrs, u_ptrs = _decode_ptrs(x_ptr, w3_0_ptr, rows, offs_n, 0, stride_xm, stride_w3_0, BLOCK_K)
-        else:
-            x_ptrs, g_ptrs = _decode_ptrs(x_ptr, w1_1_ptr, rows, offs_n, 0, stride_xm, stride_w1_1, BLOCK_K)
-            x_ptrs, u_ptrs = _decode_ptrs(x_ptr, w3_1_ptr, rows, offs_n, 0, stride_xm, stride_w3_1, BLOCK_K)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + offs_k) < K
-            a = tl.load(x_ptrs, mask=mine[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_g = tl.dot(a, g, acc_g, input_precision=INPUT_PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=INPUT_PRECISION)
-            x_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-        _decode_epilogue(_silu_mul(acc_g, acc_u), rows, mine, offs_n, N, e, h_ptr, h_ptr, h_ptr, h_ptr, stride_hm,
-                         False, False)
-
-
-@triton.jit
-def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, res_ptr, out_ptr, M, N, n_split, stride_om,
-                         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
-    """out[i, n] = the sum of ws[s, i, n] over the n_split <= MAX_SPLITS splits (+ bias_{e(i)}[n], the mask read only
-    for it) (+ residual[i, n]); grid (M, cdiv(N, BLOCK_N)). All splits are loaded at once (one memory latency, not
-    n_split in a row) and summed by one tl.sum, whose order is fixed by the compiled kernel: the same bits on every
-    run."""
+def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, out_ptr, M, N, n_split, stride_om,
+                         HAS_BIAS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """out[i, n] = the sum of ws[s, i, n] over the n_split <= MAX_SPLITS splits (+ bias_{e(i)}[n]); grid
+    (M, cdiv(N, BLOCK_N)). All splits are loaded at once (one memory latency, not n_split in a row) and summed by one
+    tl.sum, whose order is fixed by the compiled kernel: the same bits on every run."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     i = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,10 +90,7 @@ def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, res_ptr, out_pt
             acc += tl.load(bias1_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         else:
             acc += tl.load(bias0_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    offs = i.to(tl.int64) * stride_om + offs_n
-    if HAS_RESIDUAL:
-        acc += tl.load(res_ptr + offs, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(out_ptr + i.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # decode_reduce_kernel's column block and most splits (in its variant key as "cols" and "splits"; csrc/ops/
@@ -190,52 +116,32 @@ def decode_split(N, K, BN, BK, sms):
 # ----------------------------------------------------------------------------------------------
 # Python launcher (JIT / TRITON_INTERPRET use; it also documents the grids for the C++ side)
 # ----------------------------------------------------------------------------------------------
-def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, residual=None, n_split=None, sms=132,
-                                input_precision="tf32", BM=16, BN=64, BK=128, num_warps=4, num_stages=4):
-    """out [M, N] = x [M, K] through each row's expert (mask [M] bool: True = expert 1 = w1; None: one expert, w0)
-    (+ residual, a tensor of out's shape and strides); M <= BM. n_split: the number of reduction splits, at most
-    DECODE_MAX_SPLITS (default: decode_split's for `sms` SMs)."""
-    import torch
+def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=None, sms=132, input_precision="tf32",
+                                BM=16, BN=64, BK=128, num_warps=4, num_stages=4):
+    """out [M, N] = x [M, K] through each row's expert (mask [M] bool: True = expert 1 = w1); M <= BM. n_split:
+    the number of reduction splits, at most DECODE_MAX_SPLITS (default: decode_split's for `sms` SMs)."""
     M, K = x.shape
     N = w0.shape[0]
-    assert M <= BM and (mask is None or mask.shape == (M, ))
-    assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
+    assert M <= BM and mask.shape == (M, )
     if n_split is None:
         n_split, k_split = decode_split(N, K, BN, BK, sms)
     else:
         assert 1 <= n_split <= DECODE_MAX_SPLITS
         k_split = max(triton.cdiv(triton.cdiv(K, n_split), BK) * BK, BK)
     has_bias = bias0 is not None
-    assert not (has_bias and mask is None), "a bias needs the mask (the reduction reads it to pick the expert's)"
     if not has_bias:
         bias0 = bias1 = out
+    import torch
     # the workspace poisoned: every entry of a row must be written by its expert's programs
     ws = torch.full((n_split, M, N), float("nan"), device=x.device) if n_split > 1 else out
-    m8 = out if mask is None else mask.view(torch.uint8)
-    experts = 1 if mask is None else 2
-    res = out if residual is None else residual
-    routed_decode_linear_kernel[(triton.cdiv(N, BN), n_split, experts)](
-        x, m8, w0, w1, bias0, bias1, res, out, ws, M, N, K, k_split, x.stride(0), w0.stride(0), w1.stride(0),
-        out.stride(0), HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None, INPUT_PRECISION=input_precision,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=1, num_warps=num_warps, num_stages=num_stages)
+    m8 = mask.view(torch.uint8)
+    routed_decode_linear_kernel[(triton.cdiv(N, BN), n_split, 2)](
+        x, m8, w0, w1, bias0, bias1, out, ws, M, N, K, k_split, x.stride(0), w0.stride(0), w1.stride(0), out.stride(0),
+        HAS_BIAS=has_bias, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=1,
+        num_warps=num_warps, num_stages=num_stages)
     if n_split > 1:
         decode_reduce_kernel[(M, triton.cdiv(N, DECODE_REDUCE_COLS))](
-            ws, m8, bias0, bias1, res, out, M, N, n_split, out.stride(0), HAS_BIAS=has_bias,
-            HAS_RESIDUAL=residual is not None, MAX_SPLITS=DECODE_MAX_SPLITS, BLOCK_N=DECODE_REDUCE_COLS)
+            ws, m8, bias0, bias1, out, M, N, n_split, out.stride(0), HAS_BIAS=has_bias, MAX_SPLITS=DECODE_MAX_SPLITS,
+            BLOCK_N=DECODE_REDUCE_COLS)
     return out
 
-
-def launch_routed_decode_swiglu(x, mask, w1_0, w1_1, w3_0, w3_1, h, *, input_precision="tf32", BM=16, BN=32, BK=128,
-                                num_warps=4, num_stages=4):
-    """h [M, N] = silu(x W1_e^T) * (x W3_e^T) in token order through each row's expert (mask as for
-    launch_routed_decode_linear; None: one expert, w1_0 and w3_0); M <= BM."""
-    import torch
-    M, K = x.shape
-    N = w1_0.shape[0]
-    assert M <= BM and (mask is None or mask.shape == (M, ))
-    m8 = h if mask is None else mask.view(torch.uint8)
-    routed_decode_swiglu_kernel[(triton.cdiv(N, BN), 1, 1 if mask is None else 2)](
-        x, m8, w1_0, w1_1, w3_0, w3_1, h, M, N, K, x.stride(0), w1_0.stride(0), w1_1.stride(0), w3_0.stride(0),
-        w3_1.stride(0), h.stride(0), INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=1,
-        num_warps=num_warps, num_stages=num_stages)
-    return h

@@ -579,66 +579,6 @@ def test_float64(device):
 # CUDA: realistic sizes, several devices, CUDA graphs
 
 
-def cuda_kernel_names(fn):
-    """The names of the CUDA kernels `fn` launches, in order (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=DT_ID.get)
-@pytest.mark.parametrize("M", [1, 5, 16, 17])
-def test_decode(gpu_device, dtype, M):
-    """A decode step (M <= 16 takes the decode GEMMs on sm_90, 17 the routed ones): single, stacked and dual experts
-    with every mask kind, with and without the residual (a strided view), the output poisoned. H = 512 splits the down
-    projection's reduction (its sum then adds the residual); I = 2304 fills the GPU with gate/up column tiles."""
-    H, I = 512, 2304  # noqa: E741
-    x = strided_view((M,), H, dtype, gpu_device)
-    res = strided_view((M,), H, dtype, gpu_device, "sliced")
-    for kind in ("single", "stacked") + MASK_KINDS:
-        dual = kind != "single"
-        mask = make_mask("random" if kind == "stacked" else kind, (M,), gpu_device) if dual else None
-        w = make_weights(H, I, dtype, gpu_device, dual)
-        args = op_args(w, mask)
-        if kind == "stacked":
-            args = (torch.stack([w["u1"], w["w1"]]), torch.stack([w["u3"], w["w3"]]),
-                    torch.stack([w["u2"], w["w2"]]), mask)
-        ref = ffn_reference(x, *op_args(w, mask))
-        for r in (None, res):
-            poison_allocator(gpu_device, 16 * M * max(H, I) * 4)
-            out = OPS.ffn(x, *args, residual=r)
-            check_out(out, ref if r is None else ref + r.double(), (M, H), dtype, gpu_device, TOL[dtype],
-                      f"{kind}, residual {r is not None}")
-            assert torch.equal(out, OPS.ffn(x, *args, residual=r)), f"{kind}: not deterministic"
-
-
-@pytest.mark.gpu
-def test_decode_kernels(gpu_device):
-    """What an ffn decode step launches on sm_90: the decode gate/up GEMM and the decode down projection (with the
-    residual in its epilogue), nothing to route or gather; the down projection's reduction split (and summed) where
-    H's column tiles are too few (H = 512); 17 tokens and ffn_forward (training) take the routed GEMMs."""
-    if torch.cuda.get_device_capability(gpu_device) != (9, 0):
-        pytest.skip("the decode GEMMs are in the sm_90 table only")
-    if torch.cuda.get_device_properties(gpu_device).multi_processor_count > 256:
-        pytest.skip("more than 256 SMs: H = 4096 would be split too")
-    for H, want in ((4096, ["routed_decode_swiglu_kernel", "routed_decode_linear_kernel"]),
-                    (512, ["routed_decode_swiglu_kernel", "routed_decode_linear_kernel", "decode_reduce_kernel"])):
-        I = 2304  # noqa: E741
-        x = torch.randn(17, H, device=gpu_device, dtype=torch.bfloat16)
-        mask = make_mask("random", (17,), gpu_device)
-        w = make_weights(H, I, torch.bfloat16, gpu_device, dual=True)
-        OPS.ffn(x, *op_args(w, mask))  # loads the kernels
-        for m in (mask[:1], None):
-            ww = w if m is not None else {k: w[k] for k in ("w1", "w3", "w2")}
-            got = cuda_kernel_names(lambda: OPS.ffn(x[:1], *op_args(ww, m), residual=x[:1]))
-            assert got == want, f"H = {H}, {'dual' if m is not None else 'single'}: {got}"
-        assert "routed_decode_swiglu_kernel" not in cuda_kernel_names(lambda: OPS.ffn(x, *op_args(w, mask)))
-        assert "routed_decode_swiglu_kernel" not in cuda_kernel_names(
-            lambda: OPS.ffn_forward(x[:1], *op_args(w, mask[:1])))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_kind", ["single", "random", "vision90"])
 def test_realistic_bf16(gpu_device, mask_kind):

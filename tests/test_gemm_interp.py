@@ -17,8 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kernels.gather_rows import (GATHER_ROWS, launch_expert_colsum, launch_gather_rows,  # noqa: E402
                                  launch_route_gather_rows)
-from kernels.gemm_decode import (DECODE_MAX_SPLITS, decode_split, launch_routed_decode_linear,  # noqa: E402
-                                 launch_routed_decode_swiglu)
+from kernels.gemm_decode import DECODE_MAX_SPLITS, decode_split, launch_routed_decode_linear  # noqa: E402
 from kernels.gemm_gather_tma import launch_routed_linear_gather_tma, launch_routed_swiglu_gather_tma  # noqa: E402
 from kernels.gemm_pointer import launch_routed_linear, launch_routed_swiglu  # noqa: E402
 from kernels.gemm_tiles import _expert_tile_mn  # noqa: E402
@@ -194,40 +193,6 @@ def test_decode_linear(dtype, kind, bias, n_split):
     launch_routed_decode_linear(x, mask, w0, w1, b0, b1, out, n_split=n_split, input_precision=prec(dtype), BM=16,
                                 BN=16, BK=16)
     assert rel_err(out, ref_linear(x, w0, w1, b0, b1, mask)) < TOL[dtype]
-
-
-@pytest.mark.parametrize("n_split", [1, 3])
-@pytest.mark.parametrize("experts", [1, 2])
-def test_decode_linear_residual(n_split, experts):
-    # the ffn's down projection: the residual added in the epilogue (or in the sum of the splits); one expert (no mask,
-    # a grid of one expert) or two
-    M, N, K = 9, 40, 72
-    gen = torch.Generator().manual_seed(8)
-    mask = make_mask("random", M, gen) if experts == 2 else None
-    x, w0, w1 = rnd(gen, M, K), rnd(gen, N, K), rnd(gen, N, K)
-    res = rnd(gen, M, N)
-    out = torch.full((M, N), float("nan"))
-    launch_routed_decode_linear(x, mask, w0, w1, None, None, out, residual=res, n_split=n_split,
-                                input_precision="ieee", BM=16, BN=16, BK=16)
-    want = ref_linear(x, w0, w1, None, None, mask if mask is not None else torch.zeros(M, dtype=torch.bool))
-    assert rel_err(out, want + res.double()) < 1e-5
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", MASKS + ["single"])
-def test_decode_swiglu(dtype, kind):
-    # h = silu(x W1_e^T) * (x W3_e^T) in token order, M < BLOCK_M, N and K not multiples of their blocks, each weight
-    # its own row stride; "single": one expert, no mask
-    M, N, K = 13, 40, 72
-    gen = torch.Generator().manual_seed(9)
-    mask = None if kind == "single" else make_mask(kind, M, gen)
-    x = rnd(gen, M, K, dtype=dtype)
-    w1_0, w1_1 = rnd(gen, N, K + 8, dtype=dtype)[:, :K], rnd(gen, N, K, dtype=dtype)
-    w3_0, w3_1 = rnd(gen, N, K, dtype=dtype), rnd(gen, N, K + 24, dtype=dtype)[:, 5:K + 5]
-    h = torch.full((M, N), float("nan"), dtype=dtype)
-    launch_routed_decode_swiglu(x, mask, w1_0, w1_1, w3_0, w3_1, h, input_precision=prec(dtype), BM=16, BN=16, BK=16)
-    m = mask if mask is not None else torch.zeros(M, dtype=torch.bool)
-    assert rel_err(h, ref_swiglu_h(x, w1_0, w1_1, w3_0, w3_1, m)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("M", [1, 16])
@@ -931,15 +896,6 @@ def test_shipped_config(kernel, fam, block, group, split):
         out = torch.full((Md, N), float("nan"), dtype=dtype)
         launch_routed_decode_linear(x, mask, w[0], w[1], b0, b1, out, sms=32, input_precision=p, BM=bm, BN=bn, BK=bk)
         assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < tol
-        return
-    if kernel == "routed_decode_swiglu_kernel":  # the ffn's gate/up of a decode step: BLOCK_M - 3 rows, unsplit
-        bm, bn, bk = block
-        Md = bm - 3
-        mask = make_mask("random", Md, gen)
-        x, w1, w3 = rnd(gen, Md, K, dtype=dtype), rnd(gen, 2, N, K, dtype=dtype), rnd(gen, 2, N, K, dtype=dtype)
-        h = torch.full((Md, N), float("nan"), dtype=dtype)
-        launch_routed_decode_swiglu(x, mask, w1[0], w1[1], w3[0], w3[1], h, input_precision=p, BM=bm, BN=bn, BK=bk)
-        assert rel_err(h, ref_swiglu_h(x, w1[0], w1[1], w3[0], w3[1], mask)) < tol
         return
     mask = make_mask("random", M, gen)
     perm, seg = route(mask, align=128)

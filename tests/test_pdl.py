@@ -57,7 +57,7 @@ _KERNELS = ["routing_one_block_kernel", "routing_count_kernel", "routing_scatter
             "routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_swiglu_pair_tma_kernel",
             "routed_swiglu_pair_bwd_tma_kernel",
             "routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel",
-            "routed_decode_linear_kernel", "routed_decode_swiglu_kernel", "decode_reduce_kernel",
+            "routed_decode_linear_kernel", "decode_reduce_kernel",
             "routed_grad_weight_kernel", "routed_grad_weight_tma_kernel",
             "swiglu_backward_kernel"]
 

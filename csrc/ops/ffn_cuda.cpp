@@ -15,9 +15,6 @@
 //   Pointer kernels otherwise (x gathered through perm inside the swiglu kernel; h [M_pad, I] on the aligned
 //   routing they need).
 //
-// Decode (ffn, M <= 16 on sm_90, the tables' decode buckets): no routing; h = the decode SwiGLU GEMM in token order
-//   [M, I], then the decode linear GEMM for the down projection (+ the residual) (kernels/gemm_decode.py).
-//
 // ffn_forward: the same, and the gate/up kernel's epilogue also stores gate and up (fp32 accumulators rounded to the
 //   dtype) into gate_up [M, 2I] in token order (kernels/gemm_tiles.py _save_gate_up): 2 * M * I more elements written.
 //
@@ -108,25 +105,20 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, FUSED_FFN_ARGS,
   }
 
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
-  const at::Tensor xr = as_rows(x);
-  Projections p = projections(geo, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
-  // A decode step's few tokens (ffn, not ffn_forward: no gate_up to keep): the decode GEMMs, gate/up then down (+ the
-  // residual), with no routing, where the tables serve M.
-  if (!save && routed::decode_ffn(g, xr, geo.dual ? mask->reshape({geo.M}).contiguous() : at::Tensor(), p.gate, p.up,
-                                  p.down, out, res))
-    return result();
   const bool tma = g.tma_usable({geo.H, geo.I}, /*swiglu=*/true);
   // The dual expert's x gather -> gate/up -> down measured 2-3.5% slower with programmatic dependent launch at 4096
   // tokens (paired on / off, H100; two random masks, and a 90% mask in one of two runs; no change single-expert, and
   // 0.3-0.7% faster with it at 1024 / 2048 tokens): launched without it above kDualPdlMaxRows.
   std::optional<NoProgrammaticLaunch> no_pdl;
   if (geo.dual && geo.M > kDualPdlMaxRows) no_pdl.emplace();
+  const at::Tensor xr = as_rows(x);
   // A single expert on the TMA path whose x TMA reads in place needs no routing at all, nor does a dual expert given
   // one (the routing section its path reads): h is then the forward's only allocation.
   const routed::Routing r = geo.dual ? (present(routing) ? routed::routing_of(*routing, geo.M, /*aligned=*/!tma)
                                                          : routed::route(*mask, /*aligned=*/!tma))
                             : (tma && routed::tma_in_place(xr)) ? routed::route_identity(geo.M)
                                                                 : routed::route_single(geo.M, x, /*aligned=*/!tma);
+  Projections p = projections(geo, w1, w3, w2, mask, u1, u3, u2, allow_tf32);
   // Rows of h that belong to no token (padding of an aligned routing) are never written, and the down projection
   // does not store what it computes from them: no initialization needed.
   at::Tensor h = at::empty({r.rows(), geo.I}, x.options());

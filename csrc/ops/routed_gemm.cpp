@@ -132,24 +132,15 @@ std::string grad_weight_key(const Gemm& g, bool gather, bool dbias, const Kernel
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"dbias", flag(dbias)},
                               {"cfg", c.cfg}}));
 }
-// routed_decode_linear_kernel and decode_reduce_kernel (bias, res): linear_dual's decode with / without bias, the ffn
-// down projection's with / without the residual add.
-std::string decode_linear_key(const Gemm& g, bool bias, bool res, const KernelConfig& c) {
-  return listed_key(bits({bias, res}), "routed_decode_linear_kernel",
-                    make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"res", flag(res)},
-                              {"cfg", c.cfg}}));
+std::string decode_linear_key(const Gemm& g, bool bias, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"cfg", c.cfg}});
 }
 // decode_reduce_kernel's BLOCK_N and MAX_SPLITS (kernels/gemm_decode.py DECODE_REDUCE_COLS, DECODE_MAX_SPLITS; in the
 // key as "cols" and "splits").
 constexpr int64_t kDecodeReduceCols = 64, kDecodeMaxSplits = 32;
-std::string decode_reduce_key(const Gemm& g, bool bias, bool res) {
-  return listed_key(bits({bias, res}), "decode_reduce_kernel",
-                    make_key({{"dtype", g.dt}, {"bias", flag(bias)}, {"res", flag(res)},
-                              {"cols", std::to_string(kDecodeReduceCols)},
-                              {"splits", std::to_string(kDecodeMaxSplits)}}));
-}
-std::string decode_swiglu_key(const Gemm& g, const KernelConfig& c) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
+std::string decode_reduce_key(const Gemm& g, bool bias) {
+  return make_key({{"dtype", g.dt}, {"bias", flag(bias)}, {"cols", std::to_string(kDecodeReduceCols)},
+                   {"splits", std::to_string(kDecodeMaxSplits)}});
 }
 std::string gather_rows_key(const Gemm& g, bool colsum) {
   return make_key({{"dtype", g.dt}, {"colsum", flag(colsum)}, {"rows", std::to_string(kGatherRows)},
@@ -610,90 +601,40 @@ std::pair<int64_t, int64_t> decode_split(int64_t n, int64_t k, int64_t bn, int64
 }
 }  // namespace
 
-namespace {
-// The decode GEMM's bucket for M rows, or nullptr where it does not serve M (no bucket, an "off" one, or
-// FUSED_DECODE_GEMM=0).
-const KernelConfig* decode_config(const Gemm& g, const char* kernel, int64_t M) {
-  const KernelConfig* c = find_config(kernel, family(g), g.cc, M);
-  if (!c || config_off(*c)) return nullptr;
-  if (const char* env = std::getenv("FUSED_DECODE_GEMM"); env && std::strcmp(env, "0") == 0) return nullptr;
-  // aot/config_table.py checks that a decode bucket's max_m fits its BLOCK_M: one program holds every row
-  TORCH_INTERNAL_ASSERT(M <= c->block[0]);
-  return c;
-}
-
-// The mask argument and expert count (grid dimension 2) of a decode kernel: one expert without a mask (its programs
-// read none; any valid pointer stands in).
-const void* decode_mask(const at::Tensor& mask, const at::Tensor& out) {
-  return mask.defined() ? mask.data_ptr() : out.data_ptr();
-}
-uint32_t decode_experts(const at::Tensor& mask) { return mask.defined() ? 2 : 1; }
-
-void launch_decode_linear(const Gemm& g, const KernelConfig& c, const at::Tensor& x, const at::Tensor& mask,
-                          const at::Tensor& w_text, const at::Tensor& w_vision, const at::Tensor& bias0,
-                          const at::Tensor& bias1, const at::Tensor& out, const at::Tensor& residual) {
+bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& w_text,
+                   const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1,
+                   const at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_INTERNAL_ASSERT((!mask.defined() || (mask.is_contiguous() && mask.numel() == M)) && out.size(0) == M &&
+  const KernelConfig* c = find_config("routed_decode_linear_kernel", family(g), g.cc, M);
+  if (!c || config_off(*c)) return false;
+  if (const char* env = std::getenv("FUSED_DECODE_GEMM"); env && std::strcmp(env, "0") == 0) return false;
+  // aot/config_table.py checks that a decode bucket's max_m fits its BLOCK_M: one program holds every row
+  TORCH_INTERNAL_ASSERT(M <= c->block[0] && mask.is_contiguous() && mask.numel() == M && out.size(0) == M &&
                         (K <= 1 || x.stride(1) == 1) && (N <= 1 || out.stride(1) == 1));
-  const bool has_bias = bias0.defined(), has_res = residual.defined();
-  TORCH_INTERNAL_ASSERT(has_bias == bias1.defined() && (!has_bias || mask.defined()) &&
-                        (!has_res || (residual.sizes() == out.sizes() && residual.strides() == out.strides())));
   const at::Tensor w0 = unit_inner(w_text), w1 = unit_inner(w_vision);
-  const auto [n_split, k_split] = decode_split(N, K, c.block[1], c.block[2], g.sms);
+  const auto [n_split, k_split] = decode_split(N, K, c->block[1], c->block[2], g.sms);
+  const bool has_bias = bias0.defined();
+  TORCH_INTERNAL_ASSERT(has_bias == bias1.defined());
   // More than one split: fp32 partial sums [n_split, M, N], every entry written by the programs of its row's expert.
   const at::Tensor ws = n_split > 1 ? at::empty({n_split, M, N}, out.options().dtype(at::kFloat)) : out;
   // Unused pointer arguments get out's (16-byte aligned) pointer so that they never block the aligned variant.
   const void* b0 = has_bias ? bias0.data_ptr() : out.data_ptr();
   const void* b1 = has_bias ? bias1.data_ptr() : out.data_ptr();
-  const void* res = has_res ? residual.data_ptr() : out.data_ptr();
   KernelArgs args;
-  args.ptr(x.data_ptr()).ptr(decode_mask(mask, out)).ptr(w0.data_ptr()).ptr(w1.data_ptr()).ptr(b0).ptr(b1).ptr(res)
+  args.ptr(x.data_ptr()).ptr(mask.data_ptr()).ptr(w0.data_ptr()).ptr(w1.data_ptr()).ptr(b0).ptr(b1)
       .ptr(out.data_ptr()).ptr(ws.data_ptr())
       .i32(M).i32(N).i32(K).i32(k_split).i32(x.stride(0)).i32(row_stride(w0)).i32(row_stride(w1)).i32(out.stride(0));
   // grid (column tiles, splits, experts): the programs of an expert with no token exit before reading its weights
-  Grid tiles = grid(cdiv(N, c.block[1]), n_split);
-  tiles.z = decode_experts(mask);
-  launch_on_current_stream("routed_decode_linear_kernel", decode_linear_key(g, has_bias, has_res, c), args, tiles,
-                           out);
+  Grid tiles = grid(cdiv(N, c->block[1]), n_split);
+  tiles.z = 2;
+  launch_on_current_stream("routed_decode_linear_kernel", decode_linear_key(g, has_bias, *c), args, tiles, out);
   if (n_split > 1) {
     KernelArgs sum;
-    sum.ptr(ws.data_ptr()).ptr(decode_mask(mask, out)).ptr(b0).ptr(b1).ptr(res).ptr(out.data_ptr())
+    sum.ptr(ws.data_ptr()).ptr(mask.data_ptr()).ptr(b0).ptr(b1).ptr(out.data_ptr())
         .i32(M).i32(N).i32(n_split).i32(out.stride(0));
-    launch_on_current_stream("decode_reduce_kernel", decode_reduce_key(g, has_bias, has_res), sum,
+    launch_on_current_stream("decode_reduce_kernel", decode_reduce_key(g, has_bias), sum,
                              grid(M, cdiv(N, kDecodeReduceCols)), out);
   }
-}
-}  // namespace
-
-bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& w_text,
-                   const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1,
-                   const at::Tensor& out) {
-  const KernelConfig* c = decode_config(g, "routed_decode_linear_kernel", x.size(0));
-  if (!c) return false;
-  launch_decode_linear(g, *c, x, mask, w_text, w_vision, bias0, bias1, out, at::Tensor());
-  return true;
-}
-
-bool decode_ffn(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, Experts& gate, Experts& up,
-                Experts& down, const at::Tensor& out, const at::Tensor& residual) {
-  const int64_t M = x.size(0), H = x.size(1), I = gate.rows();
-  const KernelConfig* cs = decode_config(g, "routed_decode_swiglu_kernel", M);
-  const KernelConfig* cl = decode_config(g, "routed_decode_linear_kernel", M);
-  // The gate/up kernel is unsplit: only where I's column tiles fill the GPU by themselves (every ffn of the models).
-  if (!cs || !cl || decode_split(I, H, cs->block[1], cs->block[2], g.sms).first != 1) return false;
-  TORCH_INTERNAL_ASSERT(H <= 1 || x.stride(1) == 1);
-  const at::Tensor h = at::empty({M, I}, x.options());  // token order: every row written by its expert's programs
-  const at::Tensor g0 = unit_inner(gate.text()), g1 = unit_inner(gate.vision());
-  const at::Tensor u0 = unit_inner(up.text()), u1 = unit_inner(up.vision());
-  KernelArgs args;
-  args.ptr(x.data_ptr()).ptr(decode_mask(mask, h)).ptr(g0.data_ptr()).ptr(g1.data_ptr()).ptr(u0.data_ptr())
-      .ptr(u1.data_ptr()).ptr(h.data_ptr())
-      .i32(M).i32(I).i32(H).i32(x.stride(0)).i32(row_stride(g0)).i32(row_stride(g1)).i32(row_stride(u0))
-      .i32(row_stride(u1)).i32(h.stride(0));
-  Grid tiles = grid(cdiv(I, cs->block[1]));
-  tiles.z = decode_experts(mask);
-  launch_on_current_stream("routed_decode_swiglu_kernel", decode_swiglu_key(g, *cs), args, tiles, h);
-  launch_decode_linear(g, *cl, h, mask, down.text(), down.vision(), at::Tensor(), at::Tensor(), out, residual);
   return true;
 }
 
@@ -997,12 +938,11 @@ std::vector<VariantRequest> requestable_variants(int cc) {
         for (bool save : {false, true}) out.insert({"routed_swiglu_kernel", swiglu_key(g, save, *c)});
       if (const KernelConfig* c = cfg("routed_grad_weight_kernel"))
         each_combo("routed_grad_weight_kernel", [&](auto b) { return grad_weight_key(g, b(0), b(1), *c); });
-      if (const KernelConfig* c = optional_cfg("routed_decode_linear_kernel")) {
-        each_combo("routed_decode_linear_kernel", [&](auto b) { return decode_linear_key(g, b(0), b(1), *c); });
-        each_combo("decode_reduce_kernel", [&](auto b) { return decode_reduce_key(g, b(0), b(1)); });
-      }
-      if (const KernelConfig* c = optional_cfg("routed_decode_swiglu_kernel"))
-        out.insert({"routed_decode_swiglu_kernel", decode_swiglu_key(g, *c)});
+      if (const KernelConfig* c = optional_cfg("routed_decode_linear_kernel"))
+        for (bool bias : {false, true}) {
+          out.insert({"routed_decode_linear_kernel", decode_linear_key(g, bias, *c)});
+          out.insert({"decode_reduce_kernel", decode_reduce_key(g, bias)});
+        }
       if (!tma) continue;
       if (const KernelConfig* c = cfg("routed_linear_tma_kernel"))
         each_combo("routed_linear_tma_kernel", [&](auto b) { return linear_tma_key(g, b(0), b(1), b(2), b(3), *c); });

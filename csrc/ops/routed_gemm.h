@@ -253,13 +253,6 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 // nothing and returns false (the caller routes and takes linear).
 bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& w_text,
                    const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1, const at::Tensor& out);
-// The ffn forward of a few tokens on the decode GEMMs, with no routing: h = silu(x · W1_eᵀ) * (x · W3_eᵀ) in token
-// order [M, I] (routed_decode_swiglu_kernel, unsplit), then out = h · W2_eᵀ (+ residual, out's shape and strides) as
-// decode_linear. mask: as for decode_linear, or undefined for a single expert (gate / up / down single Experts).
-// Launches both and returns true where both tables serve M and I's column tiles fill the GPU unsplit; else launches
-// nothing and returns false.
-bool decode_ffn(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, Experts& gate, Experts& up,
-                Experts& down, const at::Tensor& out, const at::Tensor& residual);
 
 // h = silu(a · W1_eᵀ) * (a · W3_eᵀ) into an expert-ordered h [r.rows(), I]; a [., H]; W1_e, W3_e [I, H]. Rows of h
 // that belong to no token are not written.
