@@ -278,8 +278,8 @@ def _gemm_variants() -> List[Variant]:
     from kernels.gemm_decode import DECODE_MAX_SPLITS, DECODE_REDUCE_COLS
     # decode_reduce: the sum of the decode GEMM's split partials, + bias (kernels/gemm_decode.py), for the
     # architectures whose table has the decode GEMM
-    decode_archs = tuple(a for a in ARCHS if any(config_table.buckets(table(a), "routed_decode_linear_kernel", f)
-                                                 for f in ("half", "tf32", "ieee")))
+    decode_archs = tuple(sorted({a for f in config_table.KERNELS["routed_decode_linear_kernel"][0]
+                                 for _, archs in configs("routed_decode_linear_kernel", f) for a in archs}))
     for dt in DTYPES if decode_archs else ():
         args = runtime_args("kernels.gemm_decode:decode_reduce_kernel", dt)
         for bias in (0, 1):
