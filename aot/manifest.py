@@ -156,23 +156,36 @@ def _rope_variants() -> List[Variant]:
 # (dtype, INPUT_PRECISION) units; "prec" is in every GEMM key (bf16/fp16 always "tf32": it does not matter for them).
 GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ieee"))
 
+# The epilogues of a GEMM forward, (bias, residual): every combination is compiled for every forward path, so an op
+# that adds a bias or a block's residual add to a projection changes no build list (the two flags cost nothing at run
+# time where they are off: they are constexprs).
+EPILOGUES = ((1, 0), (0, 0), (1, 1), (0, 1))
+
+
+def _paths(forward, other=()):
+    """A flagged linear kernel's combinations: each forward operand path with every epilogue, the other paths (grad
+    input: W transposed) with none."""
+    return tuple(p + e for p in forward for e in EPILOGUES) + tuple(p + (0, 0) for p in other)
+
+
 # The flag combinations of the flagged GEMM kernels: kernel -> ((key name, constexpr), ...) and the combinations
 # compiled, one 0/1 per flag. This is the one list: aot/compile.py writes it into the generated kernel table
 # (kFlagSets, each combination an int whose bits are the flags in this order, the first highest), from which
 # csrc/ops/routed_gemm.cpp asserts that every request of a launcher is listed and forms every key a launcher can ask
-# for (the build's variant check). A launcher that needs a new combination adds it here, and only here.
+# for (the build's variant check). A launcher that needs a new operand path adds it here, and only here.
 FLAG_SETS = {
-    # linear_dual forward with / without bias and its grad-input (and the pointer ffn backward's, all in token
-    # order); the ffn down projection (A = expert-ordered h) with / without the block's residual add
+    # (gather, scatter, wt): the linear_dual forward (token-order x gathered, rows scattered) and the ffn down
+    # projection (A = expert-ordered h, rows scattered), each with every epilogue; the grad-input of linear_dual and
+    # of the pointer ffn backward (token order, W transposed)
     "routed_linear_kernel": ((("gather", "GATHER_A"), ("scatter", "SCATTER_OUT"), ("wt", "W_TRANSPOSED"),
                               ("bias", "HAS_BIAS"), ("res", "HAS_RESIDUAL")),
-                             ((1, 1, 0, 1, 0), (1, 1, 0, 0, 0), (1, 1, 1, 0, 0), (0, 1, 0, 0, 0), (0, 1, 0, 0, 1))),
-    # the same with expert-ordered A: linear_dual forward / grad-input, the ffn down projection (scattered, or in place
-    # for a single expert in token order; with or without the residual add), the ffn backward (expert-ordered g, u, dh)
+                             _paths(forward=((1, 1, 0), (0, 1, 0)), other=((1, 1, 1),))),
+    # (scatter, wt), A expert-ordered: the forward into scattered rows (linear_dual, the ffn down projection) or into
+    # an expert-ordered buffer (the ffn backward's gate and up; a single expert's down projection in place), each with
+    # every epilogue; the grad-input into scattered rows (linear_dual) or expert-ordered ones (the ffn backward's dh)
     "routed_linear_tma_kernel": ((("scatter", "SCATTER_OUT"), ("wt", "W_TRANSPOSED"), ("bias", "HAS_BIAS"),
                                   ("res", "HAS_RESIDUAL")),
-                                 ((1, 0, 1, 0), (1, 0, 0, 0), (1, 1, 0, 0), (0, 0, 0, 0), (0, 1, 0, 0), (1, 0, 0, 1),
-                                  (0, 0, 0, 1))),
+                                 _paths(forward=((1, 0), (0, 0)), other=((1, 1), (0, 1)))),
     # token-order dy / x with / without the bias gradients (linear_dual, the pointer ffn backward)
     "routed_grad_weight_kernel": ((("gather", "GATHER"), ("dbias", "HAS_DBIAS")), ((1, 1), (1, 0))),
 }
@@ -276,18 +289,18 @@ def _gemm_variants() -> List[Variant]:
             out.append(Variant("kernels.gather_rows:expert_colsum_kernel", {"dtype": dt, "rows": GATHER_ROWS}, args,
                                {"ROWS_PER_BLOCK": GATHER_ROWS, "BLOCK_B": 64, "BLOCK_C": 64}, spec, 4, 1, ARCHS))
     from kernels.gemm_decode import DECODE_MAX_SPLITS, DECODE_REDUCE_COLS
-    # decode_reduce: the sum of the decode GEMM's split partials, + bias (kernels/gemm_decode.py), for the
+    # decode_reduce: the sum of the decode GEMM's split partials, + bias, + residual (kernels/gemm_decode.py), for the
     # architectures whose table has the decode GEMM
     decode_archs = tuple(sorted({a for f in config_table.KERNELS["routed_decode_linear_kernel"][0]
                                  for _, archs in configs("routed_decode_linear_kernel", f) for a in archs}))
     for dt in DTYPES if decode_archs else ():
         args = runtime_args("kernels.gemm_decode:decode_reduce_kernel", dt)
-        for bias in (0, 1):
+        for bias, res in EPILOGUES:
             for spec in (_aligned(args), {}):
                 out.append(Variant("kernels.gemm_decode:decode_reduce_kernel",
-                                   {"dtype": dt, "bias": bias, "cols": DECODE_REDUCE_COLS,
+                                   {"dtype": dt, "bias": bias, "res": res, "cols": DECODE_REDUCE_COLS,
                                     "splits": DECODE_MAX_SPLITS}, args,
-                                   {"HAS_BIAS": bool(bias), "MAX_SPLITS": DECODE_MAX_SPLITS,
+                                   {"HAS_BIAS": bool(bias), "HAS_RESIDUAL": bool(res), "MAX_SPLITS": DECODE_MAX_SPLITS,
                                     "BLOCK_N": DECODE_REDUCE_COLS}, spec, 4, 1, decode_archs))
     for dt in DTYPES:  # swiglu_backward: elementwise (kernels/swiglu_backward.py); not configurable. gather=1: gate
         # and up saved by the forward in token order, read through perm into the backward's expert-ordered buffers.
@@ -308,13 +321,13 @@ def _gemm_variants() -> List[Variant]:
                              _tile_meta(cfg, prec, **flags), cfg, archs)
 
         # routed_decode_linear_kernel (pointer loads, any sm_80+): the linear forward of a few tokens with the
-        # reduction split over the grid, no routing (kernels/gemm_decode.py); with / without bias. Only for the m its
+        # reduction split over the grid, no routing (kernels/gemm_decode.py); every epilogue. Only for the m its
         # table's buckets serve (an alternative design: other m, and tables without it, take the kernels above).
         args = runtime_args("kernels.gemm_decode:routed_decode_linear_kernel", dt)
         for cfg, archs in configs("routed_decode_linear_kernel", fam):
-            for bias in (1, 0):
-                out += _both("kernels.gemm_decode:routed_decode_linear_kernel", dict(base, bias=bias), args,
-                             _tile_meta(cfg, prec, HAS_BIAS=bias), cfg, archs)
+            for bias, res in EPILOGUES:
+                out += _both("kernels.gemm_decode:routed_decode_linear_kernel", dict(base, bias=bias, res=res), args,
+                             _tile_meta(cfg, prec, HAS_BIAS=bias, HAS_RESIDUAL=res), cfg, archs)
 
         # routed_swiglu_kernel (pointer loads): x gathered through perm -> expert-ordered h.
         args = runtime_args("kernels.gemm_pointer:routed_swiglu_kernel", dt)
@@ -351,7 +364,7 @@ def _gemm_variants() -> List[Variant]:
                              _split_meta(cfg, prec, **flags), cfg, archs)
 
         # routed_linear_gather_tma_kernel (sm_90): the linear forward with A in token order, its rows gathered by
-        # pointer loads inside the GEMM (no gather copy), W through TMA, rows scattered; with / without bias. It routes
+        # pointer loads inside the GEMM (no gather copy), W through TMA, rows scattered; every epilogue. It routes
         # the mask itself (route = ROUTE_BLOCK > 0) for the m its buckets serve up to routing.ONE_BLOCK; align: the
         # aligned routing of linear_dual.
         for cfg, archs in configs("routed_linear_gather_tma_kernel", fam):
@@ -360,11 +373,11 @@ def _gemm_variants() -> List[Variant]:
                                 {"w_desc": f"1, {bn}, {bk}", "wh_desc": f"1, {bn // 2}, {bk}"})
             align = config_table.ROUTING_ALIGN
             for route in route_blocks("routed_linear_gather_tma_kernel", fam, cfg):
-                for bias in (1, 0):
-                    meta = _split_meta(cfg, prec, HAS_BIAS=bias)
+                for bias, res in EPILOGUES:
+                    meta = _split_meta(cfg, prec, HAS_BIAS=bias, HAS_RESIDUAL=res)
                     meta.update(ROUTE_BLOCK=route, ALIGN=align)
                     out += _both("kernels.gemm_gather_tma:routed_linear_gather_tma_kernel",
-                                 dict(base, bias=bias, route=route, align=align), args, meta, cfg, archs)
+                                 dict(base, bias=bias, res=res, route=route, align=align), args, meta, cfg, archs)
 
         # routed_swiglu_gather_tma_kernel (sm_90): the gate/up GEMM with x in token order (rows gathered inside), on
         # the unaligned routing of the ffn forward's TMA path; routes the mask itself as the linear one does.

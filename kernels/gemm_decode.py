@@ -10,9 +10,10 @@ the SM count has no tail wave (the persistent routed GEMMs at M = 1 with N = 460
 
 No routing: each program reads the (at most BLOCK_M) mask entries, exits before reading a weight byte when no token
 of its expert is present, and loads only its expert's rows of x (the others as zeros). Each token row belongs to one
-expert, so the programs of different experts write disjoint rows. One split: the program adds the bias and writes
-out. Several: it writes its fp32 partial sums to ws [n_split, M, N] (every entry whose row is its expert's), and
-decode_reduce_kernel sums the splits (in a fixed order: deterministic, no atomics) with the bias, into out.
+expert, so the programs of different experts write disjoint rows. One split: the program adds the bias (and a
+residual: a block's residual add) and writes out. Several: it writes its fp32 partial sums to ws [n_split, M, N]
+(every entry whose row is its expert's), and decode_reduce_kernel sums the splits (in a fixed order: deterministic, no
+atomics) with the bias and residual, into out.
 
 Conventions (experts e = 0 text / mask false, e = 1 vision / mask true; fp32 accumulation): kernels/gemm_tiles.py.
 Each expert's weight has its own base and row stride (two separate tensors in either memory order, or views of one),
@@ -26,14 +27,14 @@ from kernels.pdl import grid_dependency_sync
 
 
 @triton.jit
-def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, ws_ptr,
+def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, res_ptr, out_ptr, ws_ptr,
                                 M, N, K, k_split, stride_xm, stride_w0, stride_w1, stride_om,
-                                HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
-    """out[i] = x[i] W_{e(i)}^T (+ bias_{e(i)}) for the M <= BLOCK_M rows of x; k_split: the reduction length of one
-    split, a multiple of BLOCK_K (split s covers [s * k_split, (s + 1) * k_split) of K). GROUP_M: unused (the
-    config tables' shared fields)."""
+    """out[i] = x[i] W_{e(i)}^T (+ bias_{e(i)}) (+ residual[i], res_ptr of out's row stride) for the M <= BLOCK_M rows
+    of x; k_split: the reduction length of one split, a multiple of BLOCK_K (split s covers [s * k_split, (s + 1) *
+    k_split) of K). GROUP_M: unused (the config tables' shared fields)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
@@ -64,18 +65,21 @@ def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias
         if tl.num_programs(1) == 1:
             if HAS_BIAS:
                 acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep)
+            offs = rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            if HAS_RESIDUAL:
+                acc += tl.load(res_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=keep)
         else:
             ws_ptrs = ws_ptr + ((s * M + rows).to(tl.int64) * N)[:, None] + offs_n[None, :]
             tl.store(ws_ptrs, acc, mask=keep)
 
 
 @triton.jit
-def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, out_ptr, M, N, n_split, stride_om,
-                         HAS_BIAS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """out[i, n] = the sum of ws[s, i, n] over the n_split <= MAX_SPLITS splits (+ bias_{e(i)}[n]); grid
+def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, res_ptr, out_ptr, M, N, n_split, stride_om,
+                         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    """out[i, n] = the sum of ws[s, i, n] over the n_split <= MAX_SPLITS splits (+ bias_{e(i)}[n]) (+ residual[i, n],
+    res_ptr of out's row stride); grid
     (M, cdiv(N, BLOCK_N)). All splits are loaded at once (one memory latency, not n_split in a row) and summed by one
     tl.sum, whose order is fixed by the compiled kernel: the same bits on every run."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
@@ -90,7 +94,10 @@ def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, out_ptr, M, N, 
             acc += tl.load(bias1_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         else:
             acc += tl.load(bias0_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + i.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    offs = i.to(tl.int64) * stride_om + offs_n
+    if HAS_RESIDUAL:
+        acc += tl.load(res_ptr + offs, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # decode_reduce_kernel's column block and most splits (in its variant key as "cols" and "splits"; csrc/ops/
@@ -117,9 +124,10 @@ def decode_split(N, K, BN, BK, sms):
 # Python launcher (JIT / TRITON_INTERPRET use; it also documents the grids for the C++ side)
 # ----------------------------------------------------------------------------------------------
 def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=None, sms=132, input_precision="tf32",
-                                BM=16, BN=64, BK=128, num_warps=4, num_stages=4):
-    """out [M, N] = x [M, K] through each row's expert (mask [M] bool: True = expert 1 = w1); M <= BM. n_split:
-    the number of reduction splits, at most DECODE_MAX_SPLITS (default: decode_split's for `sms` SMs)."""
+                                BM=16, BN=64, BK=128, num_warps=4, num_stages=4, residual=None):
+    """out [M, N] = x [M, K] through each row's expert (mask [M] bool: True = expert 1 = w1) (+ residual, a tensor of
+    out's shape and strides); M <= BM. n_split: the number of reduction splits, at most DECODE_MAX_SPLITS (default:
+    decode_split's for `sms` SMs)."""
     M, K = x.shape
     N = w0.shape[0]
     assert M <= BM and mask.shape == (M, )
@@ -135,13 +143,15 @@ def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=N
     # the workspace poisoned: every entry of a row must be written by its expert's programs
     ws = torch.full((n_split, M, N), float("nan"), device=x.device) if n_split > 1 else out
     m8 = mask.view(torch.uint8)
+    assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
+    res = out if residual is None else residual
     routed_decode_linear_kernel[(triton.cdiv(N, BN), n_split, 2)](
-        x, m8, w0, w1, bias0, bias1, out, ws, M, N, K, k_split, x.stride(0), w0.stride(0), w1.stride(0), out.stride(0),
-        HAS_BIAS=has_bias, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=1,
-        num_warps=num_warps, num_stages=num_stages)
+        x, m8, w0, w1, bias0, bias1, res, out, ws, M, N, K, k_split, x.stride(0), w0.stride(0), w1.stride(0),
+        out.stride(0), HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None, INPUT_PRECISION=input_precision,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=1, num_warps=num_warps, num_stages=num_stages)
     if n_split > 1:
         decode_reduce_kernel[(M, triton.cdiv(N, DECODE_REDUCE_COLS))](
-            ws, m8, bias0, bias1, out, M, N, n_split, out.stride(0), HAS_BIAS=has_bias, MAX_SPLITS=DECODE_MAX_SPLITS,
-            BLOCK_N=DECODE_REDUCE_COLS)
+            ws, m8, bias0, bias1, res, out, M, N, n_split, out.stride(0), HAS_BIAS=has_bias,
+            HAS_RESIDUAL=residual is not None, MAX_SPLITS=DECODE_MAX_SPLITS, BLOCK_N=DECODE_REDUCE_COLS)
     return out
 

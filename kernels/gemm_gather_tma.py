@@ -10,8 +10,8 @@ Conventions (experts, perm / seg, SCATTER_OUT): kernels/gemm_tiles.py.
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import (_add_bias, _gate_up_arg, _half_tile_at, _mask_arg, _routed_row_tiles, _save_gate_up,
-                                _silu_mul, _split_tail, _store_tile, _tile_at, _tile_rows)
+from kernels.gemm_tiles import (_add_bias, _add_residual, _gate_up_arg, _half_tile_at, _mask_arg, _routed_row_tiles,
+                                _save_gate_up, _silu_mul, _split_tail, _store_tile, _tile_at, _tile_rows)
 from kernels.gemm_tma import _linear_step, _swiglu_step, _w_index
 from kernels.pdl import grid_dependency_sync
 
@@ -24,11 +24,13 @@ def _gathered_a(a_ptrs, valid, offs_k, K, k0):
 
 
 @triton.jit
-def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N, K,
-                        stride_am, stride_om, w_map, HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0, offs_n,
+                        N, K, stride_am, stride_om, w_map, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     """One output tile of routed_linear_gather_tma_kernel: A's rows gathered through perm[row0, row_hi), columns
-    offs_n = n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide), bias, rows scattered."""
+    offs_n = n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide), bias, residual, rows
+    scattered."""
     offs_k = tl.arange(0, BLOCK_K)
     rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
@@ -38,13 +40,15 @@ def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, 
                            INPUT_PRECISION, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+    if HAS_RESIDUAL:
+        acc = _add_residual(acc, res_ptr, perm_ptr, row0, row_hi, offs_n, N, stride_om, True, BLOCK_M)
     _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, True, BLOCK_M)
 
 
 @triton.jit
-def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, seg_ptr,
-                                    mask_ptr, M, M_pad, N, K, stride_am, stride_om, w_map,
-                                    HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr,
+                                    seg_ptr, mask_ptr, M, M_pad, N, K, stride_am, stride_om, w_map,
+                                    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                                     FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = False,
@@ -53,7 +57,8 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
     (the gather inside the GEMM), measured against gather + routed_linear_tma_kernel by aot/tune.py.
     Persistent over the tiles that hold rows; SPLIT_TAIL: a last round split in column halves through wh_desc, as in
-    routed_linear_tma_kernel. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index."""
+    routed_linear_tma_kernel. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index.
+    HAS_RESIDUAL: out = A·Wᵀ (+ bias) + residual, res_ptr of out's layout and row stride (a block's residual add)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -66,13 +71,15 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
     for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
-        _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
-                            K, stride_am, stride_om, w_map, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
+                            offs_n, N, K, stride_am, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, INPUT_PRECISION,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_TAIL and pid < 2 * tail:
         row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
                                                     BLOCK_N, GROUP_M)
-        _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
-                            K, stride_am, stride_om, w_map, HAS_BIAS, INPUT_PRECISION, BLOCK_M, BLOCK_N // 2, BLOCK_K)
+        _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
+                            offs_n, N, K, stride_am, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, INPUT_PRECISION,
+                            BLOCK_M, BLOCK_N // 2, BLOCK_K)
 
 
 @triton.jit
@@ -113,10 +120,10 @@ def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, gu_ptr, perm
 def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, *, mask=None, route_block=0,
                                     align=128, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
                                     num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, SPLIT_TAIL=False,
-                                    w_map=2):
+                                    w_map=2, residual=None):
     """a [M, K] in token order (rows gathered in the kernel); w_stacked [2, N, K] (w_map: as in
-    launch_routed_linear_tma); out [M, N]. route_block > 0: perm
-    and seg are written by the kernel from mask (int8 [M], M <= route_block) with routing ALIGN = align."""
+    launch_routed_linear_tma); out [M, N]; residual: None or a tensor of out's shape and strides, added. route_block >
+    0: perm and seg are written by the kernel from mask (int8 [M], M <= route_block) with routing ALIGN = align."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     M_pad = perm.shape[0]
     mask_arg, M = _mask_arg(mask, perm, route_block)
@@ -129,8 +136,10 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
         bias0 = bias1 = out
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_linear_gather_tma_kernel[grid](a, w_desc, wh_desc, bias0, bias1, out, perm, seg, mask_arg, M, M_pad, N, K,
-                                          a.stride(0), out.stride(0), w_map, HAS_BIAS=has_bias,
+    assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
+    routed_linear_gather_tma_kernel[grid](a, w_desc, wh_desc, bias0, bias1, out, out if residual is None else residual,
+                                          perm, seg, mask_arg, M, M_pad, N, K, a.stride(0), out.stride(0), w_map,
+                                          HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,
                                           INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                           GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
                                           SPLIT_TAIL=SPLIT_TAIL, num_warps=num_warps, num_stages=num_stages)

@@ -406,6 +406,44 @@ def test_down_projection_residual(dtype, path):
     assert torch.isnan(out_all[M:]).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["pointer", "tma", "gather_tma", "gather_tma_routes", "decode", "decode_split"])
+def test_linear_forward_residual(dtype, path):
+    """HAS_RESIDUAL on every kernel of linear_dual's forward (its `residual`): out = x·W_eᵀ + bias_e + residual, one
+    rounding. pointer: x gathered through perm in the kernel; tma: x pre-gathered, expert-ordered; gather_tma: x's rows
+    gathered inside the TMA GEMM (and routing the mask itself); decode: the decode GEMM, its program writing out or
+    (decode_split) decode_reduce_kernel summing 3 splits. Output rows sit in a NaN-poisoned buffer with a wider row
+    stride than the residual's rows use, so a residual read at the wrong rows or a write past them shows."""
+    M, N, K = (13, 40, 72) if path.startswith("decode") else (37, 24, 40)
+    gen = torch.Generator().manual_seed(23)
+    mask = make_mask("random", M, gen)
+    x = rnd(gen, M, K, dtype=dtype)
+    w = rnd(gen, 2, N, K, dtype=dtype)
+    b0, b1 = rnd(gen, N, dtype=dtype), rnd(gen, N, dtype=dtype)
+    out_all = torch.full((M + 4, N + 8), float("nan"), dtype=dtype)
+    out = out_all[:M, :N]
+    residual = rnd(gen, M + 4, N + 8, dtype=dtype)[:M, :N]  # out's shape and strides, other values
+    if path.startswith("decode"):
+        launch_routed_decode_linear(x, mask, w[0], w[1], b0, b1, out, n_split=3 if path == "decode_split" else 1,
+                                    input_precision=prec(dtype), BM=16, BN=16, BK=16, residual=residual)
+    elif path.startswith("gather_tma"):
+        routes = path == "gather_tma_routes"
+        perm, seg, _ = routed_here(mask, ALIGN) if routes else (*route(mask, align=ALIGN), None)
+        launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, mask=mask, route_block=64 if routes else 0,
+                                        align=ALIGN, input_precision=prec(dtype), num_programs=3, residual=residual, **T)
+    else:
+        perm, seg = route(mask, align=ALIGN)
+        if path == "pointer":
+            launch_routed_linear(x, w[0], w[1], b0, b1, out, perm, seg, N, K, gather_a=True, scatter_out=True,
+                                 input_precision=prec(dtype), residual=residual, **T)
+        else:
+            launch_routed_linear_tma(gathered(x, perm, perm.shape[0]), w, b0, b1, out, perm, seg,
+                                     input_precision=prec(dtype), num_programs=3, residual=residual, **T)
+    ref = ref_linear(x, w[0], w[1], b0, b1, mask) + residual.double()
+    assert rel_err(out, ref) < TOL[dtype]
+    assert torch.isnan(out_all[M:]).all() and torch.isnan(out_all[:, N:]).all()
+
+
 @pytest.mark.parametrize("kind", ["random", "all_true", "all_false"])
 def test_tma_row_tiles(kind):
     """Row tiles smaller than the routing alignment (BM = 16, ALIGN = 64): scattered outputs and h are computed only

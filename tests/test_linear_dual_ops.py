@@ -130,6 +130,59 @@ def test_biases(device, bias):
     check_out(out, linear_dual_reference(x, mask, wv, wt, bv, bt), (M, N), torch.float32, device, TOL[torch.float32])
 
 
+# (M, K, N) of each forward path on sm_90: the decode GEMM unsplit (M = 1, 16) and with its reduction split (K =
+# 2048), the gather GEMM (300), the pointer GEMM (K = 27: rows not 16-byte aligned); fp32 takes the pre-gathered TMA
+# GEMM (tf32) or the pointer one
+RESIDUAL_SHAPES = [(1, 72, 40), (16, 72, 40), (5, 2048, 40), (300, 72, 40), (45, 27, 37)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
+@pytest.mark.parametrize("M, K, N", RESIDUAL_SHAPES, ids=str)
+def test_residual(device, dtype, M, K, N):
+    """residual= adds a tensor of the output's shape in the GEMM's epilogue: out = x·W_eᵀ + b_e + residual, with both
+    biases, a residual of another row stride than the output's, the output poisoned, the inputs unchanged. Without a
+    gradient (the decode GEMM for a few tokens, a routing given or not) and through autograd (linear_dual_forward),
+    every gradient against float64 autograd of the reference, the residual's equal to the output's."""
+    x = strided_view((M,), K, dtype, device)
+    mask = make_mask("random", (M,), device)
+    wv, wt, bv, bt = make_weights(N, K, dtype, device, "both")
+    res = strided_view((M,), N, dtype, device, "sliced")
+    before = [t.clone() for t in (x, wv, wt, bv, bt, res)]
+    ref = linear_dual_reference(x, mask, wv, wt, bv, bt) + res.double()
+    for routing in (None, OPS.route(mask)):
+        poison_allocator(device, 4 * M * N * x.element_size())
+        out = OPS.linear_dual(x, mask, wv, wt, bv, bt, routing=routing, residual=res)
+        check_out(out, ref, (M, N), dtype, device, TOL[dtype], f"routing given: {routing is not None}")
+    assert all(torch.equal(a, b) for a, b in zip(before, (x, wv, wt, bv, bt, res))), "inputs were modified"
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, wv, wt, bv, bt, res)]
+    poison_allocator(device, 4 * M * N * x.element_size())
+    out = linear_dual(leaves[0], mask, *leaves[1:5], residual=leaves[5])
+    g = torch.randn(out.shape, device=device).to(dtype)
+    out.backward(g)
+    check_out(out.detach(), ref, (M, N), dtype, device, TOL[dtype], "autograd forward")
+    _, ref_grads = reference_grads(lambda a, b, c, d, e, r: linear_dual_reference(a, mask, b, c, d, e) + r,
+                                   [x, wv, wt, bv, bt, res], g, [True] * 6)
+    for name, leaf, rg in zip(("x", "weight_v", "weight_t", "bias_v", "bias_t", "residual"), leaves, ref_grads):
+        check_grad(leaf.grad, rg, dtype, TOL[dtype], f"grad {name}")
+    assert torch.equal(leaves[5].grad, g), "the residual's gradient is the output's"
+
+
+@pytest.mark.parametrize("lead", [(0,), (2, 3)], ids=["m0", "b2s3"])
+def test_residual_shapes(device, lead):
+    """A leading shape of several dimensions (and none: M = 0); a residual broadcastable to the output but not of its
+    shape is an error, not a broadcast."""
+    K, N = 24, 16
+    x = strided_view(lead, K, torch.float32, device)
+    mask = make_mask("random", lead, device)
+    wv, wt, bv, bt = make_weights(N, K, torch.float32, device, "none")
+    res = strided_view(lead, N, torch.float32, device)
+    out = OPS.linear_dual(x, mask, wv, wt, residual=res)
+    check_out(out, linear_dual_reference(x, mask, wv, wt, None, None) + res.double(), lead + (N,), torch.float32,
+              device, TOL[torch.float32])
+    with pytest.raises(ERR, match="residual"):
+        OPS.linear_dual(x, mask, wv, wt, residual=res[..., :1] if res.numel() else res[..., :0])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
 def test_backward_matrix(device, mask_kind, dtype):
@@ -690,6 +743,11 @@ def test_errors_structural(device):
         ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing[None])),
         ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing[::2])),
         ("routing", lambda: OPS.linear_dual_backward(g[:5], x[:5], mask[:5], wv, wt, routing=routing)),  # M 6 != 5
+        ("residual", lambda: OPS.linear_dual(x, mask, wv, wt, residual=g[:, :-1])),  # [M, N-1]
+        ("residual", lambda: OPS.linear_dual(x, mask, wv, wt, residual=x)),  # x's shape, not the output's
+        ("residual", lambda: OPS.linear_dual(x, mask, wv, wt, residual=g[None])),  # [1, M, N]
+        (r"(?i)residual|dtype|type", lambda: OPS.linear_dual(x, mask, wv, wt, residual=g.half())),
+        ("residual", lambda: OPS.linear_dual_forward(x, mask, wv, wt, residual=g[:-1])),
     ]
     failures = []
     for pattern, fn in cases:
@@ -755,6 +813,15 @@ def test_gradcheck_cpu(mask_kind, bias):
     assert torch.autograd.gradcheck(fn, inputs)
 
 
+def test_gradcheck_cpu_residual():
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    mask = make_mask("random", (2, 3))
+    wv, wt, bv, bt = (t.requires_grad_(True) for t in make_weights(3, 4, torch.float64, "cpu", "both"))
+    res = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: OPS.linear_dual(t[0], mask, *t[1:5], residual=t[5]),
+                                    (x, wv, wt, bv, bt, res))
+
+
 def test_gradcheck_cpu_leading_shape():
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     mask = make_mask("random", (2, 3))
@@ -778,6 +845,8 @@ def _opcheck_samples(op_name):
             ((mk(M, K), mask, mk(N, K), mk(N, K)), {}),
             ((mk(M, K, rg=True), mask, mk(N, K, rg=True), mk(N, K, rg=True), mk(N, rg=True), mk(N, rg=True)), {}),
             ((mk(2, 3, K, rg=True), mask.reshape(2, 3), mk(N, K, rg=True), mk(N, K)), dict(bias_t=mk(N, rg=True))),
+            ((mk(M, K, rg=True), mask, mk(N, K, rg=True), mk(N, K)), dict(residual=mk(M, N, rg=True))),
+            ((mk(M, K), mask, mk(N, K), mk(N, K), mk(N)), dict(residual=mk(M, N, rg=True))),
         ]
     return [((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)), {}),
             ((mk(2, 3, N), mk(2, 3, K), mask.reshape(2, 3), mk(N, K), mk(N, K)), dict(allow_tf32=True)),
@@ -821,6 +890,8 @@ def test_meta_device():
         g = torch.empty(lead + (24,), device="meta", dtype=torch.bfloat16)
         gx, gwv, gwt, gbv, gbt = OPS.linear_dual_backward(g, x, mask, w, w)
         assert gx.shape == x.shape and gwv.shape == gwt.shape == (24, 40) and gbv.shape == gbt.shape == (24,)
+        assert OPS.linear_dual(x, mask, w, w, residual=torch.empty(out.shape, device="meta",
+                                                                   dtype=torch.bfloat16)).shape == out.shape
         out2, routing = OPS.linear_dual_forward(x, mask, w, w, b, None)
         assert out2.shape == out.shape and routing.dtype == torch.int32 and routing.shape == (math.prod(lead) + 264,)
         assert OPS.linear_dual_backward(g, x, mask, w, w, routing=routing)[0].shape == x.shape

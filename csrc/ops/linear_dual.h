@@ -20,19 +20,21 @@ using LinearDualGeometry = LinearDualGeometryOf<int64_t>;
 using LinearDualSymGeometry = LinearDualGeometryOf<c10::SymInt>;
 
 // Shapes, dtypes and devices (no data read). A missing bias counts as zero, so one of the two biases may be given
-// alone. The _symint checks read symbolic sizes (the Meta kernels: torch.export / torch.compile with dynamic shapes)
+// alone; a residual has the output's shape x.shape[:-1] + [N] and x's dtype and device. The _symint checks read symbolic sizes (the Meta kernels: torch.export / torch.compile with dynamic shapes)
 // and guard only the relations the op needs (csrc/ops/routed_gemm.h, sym_equal); the others are the same checks on
 // concrete tensors (the CPU and CUDA kernels).
 LinearDualSymGeometry check_linear_dual_inputs_symint(const at::Tensor& x, const at::Tensor& mask,
                                                       const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                       const std::optional<at::Tensor>& bias_v,
-                                                      const std::optional<at::Tensor>& bias_t);
+                                                      const std::optional<at::Tensor>& bias_t,
+                                                      const std::optional<at::Tensor>& residual);
 LinearDualSymGeometry check_linear_dual_backward_inputs_symint(const at::Tensor& grad_out, const at::Tensor& x,
                                                                const at::Tensor& mask, const at::Tensor& weight_v,
                                                                const at::Tensor& weight_t);
 LinearDualGeometry check_linear_dual_inputs(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                                             const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
-                                            const std::optional<at::Tensor>& bias_t);
+                                            const std::optional<at::Tensor>& bias_t,
+                                            const std::optional<at::Tensor>& residual);
 LinearDualGeometry check_linear_dual_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x,
                                                      const at::Tensor& mask, const at::Tensor& weight_v,
                                                      const at::Tensor& weight_t);
@@ -55,11 +57,12 @@ using LinearDualOutputMask = std::array<bool, 5>;
 using LinearDualOp = at::Tensor(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                                 const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                                 const std::optional<at::Tensor>& bias_t, bool allow_tf32,
-                                const std::optional<at::Tensor>& routing);
+                                const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& residual);
 // linear_dual_forward: (out, routing), the routing for linear_dual_backward (what autograd saves).
 using LinearDualForwardOp = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v, const at::Tensor& weight_t,
-    const std::optional<at::Tensor>& bias_v, const std::optional<at::Tensor>& bias_t, bool allow_tf32);
+    const std::optional<at::Tensor>& bias_v, const std::optional<at::Tensor>& bias_t, bool allow_tf32,
+    const std::optional<at::Tensor>& residual);
 using LinearDualBackwardOp = LinearDualGrads(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
                                              const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
                                              LinearDualOutputMask output_mask,
@@ -69,11 +72,12 @@ using LinearDualBackwardOp = LinearDualGrads(const at::Tensor& grad_out, const a
 at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                            const std::optional<at::Tensor>& bias_t, bool allow_tf32,
-                           const std::optional<at::Tensor>& routing);
+                           const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& residual);
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cpu(const at::Tensor& x, const at::Tensor& mask,
                                                            const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                            const std::optional<at::Tensor>& bias_v,
-                                                           const std::optional<at::Tensor>& bias_t, bool allow_tf32);
+                                                           const std::optional<at::Tensor>& bias_t, bool allow_tf32,
+                                                           const std::optional<at::Tensor>& residual);
 LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
                                          const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
                                          LinearDualOutputMask output_mask, const std::optional<at::Tensor>& routing);
@@ -81,11 +85,12 @@ LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::T
 at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                             const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                             const std::optional<at::Tensor>& bias_t, bool allow_tf32,
-                            const std::optional<at::Tensor>& routing);
+                            const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& residual);
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cuda(const at::Tensor& x, const at::Tensor& mask,
                                                             const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                             const std::optional<at::Tensor>& bias_v,
-                                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32);
+                                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32,
+                                                            const std::optional<at::Tensor>& residual);
 LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
                                           const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
                                           LinearDualOutputMask output_mask, const std::optional<at::Tensor>& routing);

@@ -1,7 +1,7 @@
 // Autograd of linear_dual, in C++ so gradients flow from Python, TorchScript and libtorch alike. The forward calls
 // fused::linear_dual_forward and saves the routing of the mask it returns (or, given a routing, calls linear_dual with
 // it and saves that); the backward passes it to the public fused::linear_dual_backward op, through the dispatcher (so
-// it runs on whichever backend holds the tensors).
+// it runs on whichever backend holds the tensors). A residual's gradient is the output's.
 // linear_dual_forward and linear_dual_backward are not differentiable themselves (no double backward): their
 // Autograd kernels raise if a gradient is asked through them.
 #include <torch/autograd.h>
@@ -24,20 +24,24 @@ const c10::TypedOperatorHandle<fused::LinearDualOp>& linear_dual_op() {
 struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& mask, const Tensor& weight_v,
                         const Tensor& weight_t, const std::optional<Tensor>& bias_v,
-                        const std::optional<Tensor>& bias_t, bool allow_tf32, const std::optional<Tensor>& given) {
+                        const std::optional<Tensor>& bias_t, bool allow_tf32, const std::optional<Tensor>& given,
+                        const std::optional<Tensor>& residual) {
     ctx->saved_data["allow_tf32"] = allow_tf32;
+    // The residual's index among the inputs autograd tracks (needs_input_grad counts the tensors given, not None)
+    const int64_t given_tensors = 4 + fused::present(bias_v) + fused::present(bias_t) + fused::present(given);
+    ctx->saved_data["residual_edge"] = fused::present(residual) ? given_tensors : int64_t{-1};
     ctx->saved_data["has_bias_v"] = fused::present(bias_v);
     ctx->saved_data["has_bias_t"] = fused::present(bias_t);
     at::AutoDispatchBelowADInplaceOrView guard;
     if (fused::present(given)) {
       ctx->save_for_backward({x, mask, weight_v, weight_t, *given});
-      return linear_dual_op().call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, given);
+      return linear_dual_op().call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, given, residual);
     }
     // linear_dual_forward also returns the routing of mask it used: the backward takes it instead of routing again.
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("fused::linear_dual_forward", "")
                          .typed<fused::LinearDualForwardOp>();
-    auto [out, routing] = op.call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32);
+    auto [out, routing] = op.call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, residual);
     ctx->save_for_backward({x, mask, weight_v, weight_t, routing});
     return out;
   }
@@ -56,21 +60,24 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
                                               has_bt && ctx->needs_input_grad(has_bv ? 5 : 4)};
     auto [gx, gw_v, gw_t, gb_v, gb_t] = op.call(grads[0], s[0], s[1], s[2], s[3],
                                                 ctx->saved_data["allow_tf32"].toBool(), want, s[4]);
-    return {gx, Tensor() /* mask */, gw_v, gw_t, gb_v, gb_t, Tensor() /* allow_tf32 */, Tensor() /* routing */};
+    // The residual is added to the output: its gradient is the output's.
+    const int64_t residual_edge = ctx->saved_data["residual_edge"].toInt();
+    const Tensor g_res = residual_edge >= 0 && ctx->needs_input_grad(residual_edge) ? grads[0] : Tensor();
+    return {gx, Tensor() /* mask */, gw_v, gw_t, gb_v, gb_t, Tensor() /* allow_tf32 */, Tensor() /* routing */, g_res};
   }
 };
 
 Tensor linear_dual(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Tensor& weight_t,
                    const std::optional<Tensor>& bias_v, const std::optional<Tensor>& bias_t, bool allow_tf32,
-                   const std::optional<Tensor>& routing) {
+                   const std::optional<Tensor>& routing, const std::optional<Tensor>& residual) {
   const auto grad = [](const std::optional<Tensor>& t) { return fused::present(t) && t->requires_grad(); };
-  if (!at::GradMode::is_enabled() ||
-      !(x.requires_grad() || weight_v.requires_grad() || weight_t.requires_grad() || grad(bias_v) || grad(bias_t))) {
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight_v.requires_grad() || weight_t.requires_grad() ||
+                                       grad(bias_v) || grad(bias_t) || grad(residual))) {
     // No graph to record: linear_dual itself, without the routing a backward would take.
     at::AutoDispatchBelowADInplaceOrView guard;
-    return linear_dual_op().call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing);
+    return linear_dual_op().call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing, residual);
   }
-  return LinearDualFunction::apply(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing);
+  return LinearDualFunction::apply(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing, residual);
 }
 }  // namespace
 

@@ -23,8 +23,8 @@ struct Expert {
 at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                            const std::optional<at::Tensor>& bias_t, bool /*allow_tf32*/,
-                           const std::optional<at::Tensor>& routing) {
-  const LinearDualGeometry g = check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t);
+                           const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& residual) {
+  const LinearDualGeometry g = check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t, residual);
   check_routing(routing, g.M, x, "linear_dual", /*forward_routing=*/true);
   if (present(routing)) check_routing_of_mask(*routing, mask, "linear_dual");  // the CPU routes from the mask
   const auto ct = compute_type(x.scalar_type());
@@ -39,14 +39,16 @@ at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at
     if (present(*biases[e])) y.add_((*biases[e])->to(ct));
     out.index_copy_(0, experts[e].rows, y);
   }
+  if (present(residual)) out.add_(residual->reshape({g.M, g.N}).to(ct));  // one rounding, as the CUDA epilogue
   return out.to(x.scalar_type()).reshape(with_last(x, g.N));
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cpu(const at::Tensor& x, const at::Tensor& mask,
                                                            const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                            const std::optional<at::Tensor>& bias_v,
-                                                           const std::optional<at::Tensor>& bias_t, bool allow_tf32) {
-  at::Tensor out = linear_dual_cpu(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, std::nullopt);
+                                                           const std::optional<at::Tensor>& bias_t, bool allow_tf32,
+                                                           const std::optional<at::Tensor>& residual) {
+  at::Tensor out = linear_dual_cpu(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, std::nullopt, residual);
   return {out, routing_cpu(mask, /*aligned=*/true)};
 }
 

@@ -1,5 +1,6 @@
 // CUDA implementation of linear_dual on the routed GEMM core (csrc/ops/routed_gemm.h):
-//   forward      route(mask) -> routed_linear (x gathered through perm, out scattered back), bias in the epilogue;
+//   forward      route(mask) -> routed_linear (x gathered through perm, out scattered back), bias and residual in
+//                the epilogue;
 //                a decode step's few tokens (the table's decode buckets): the decode GEMM, no routing;
 //   backward     route(mask), or the forward's routing -> grad_x = routed_linear(grad_out, W_e, W_TRANSPOSED)
 //                             -> (dW_e, db_e) = routed_grad_weight(grad_out, x) in one pass
@@ -30,14 +31,16 @@ at::Tensor vec(const at::Tensor& b) { return b.is_contiguous() ? b : b.contiguou
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32,
-                                           const std::optional<at::Tensor>& given, bool return_routing) {
+                                           const std::optional<at::Tensor>& given,
+                                           const std::optional<at::Tensor>& residual, bool return_routing) {
   check_cuda(x, "x", kOp);
   check_cuda(mask, "mask", kOp);
   check_cuda(weight_v, "weight_v", kOp);
   check_cuda(weight_t, "weight_t", kOp);
   if (present(bias_v)) check_cuda(*bias_v, "bias_v", kOp);
   if (present(bias_t)) check_cuda(*bias_t, "bias_t", kOp);
-  const LinearDualGeometry geo = check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t);
+  if (present(residual)) check_cuda(*residual, "residual", kOp);
+  const LinearDualGeometry geo = check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t, residual);
   check_routing(given, geo.M, x, kOp, /*forward_routing=*/true);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({geo.M, geo.N}, x.options());
@@ -49,10 +52,13 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
     b0 = present(bias_t) ? vec(*bias_t) : at::zeros({geo.N}, x.options());
     b1 = present(bias_v) ? vec(*bias_v) : at::zeros({geo.N}, x.options());
   }
+  // The residual's rows in out's layout ([M, N], row stride N): the epilogue reads it where it writes out.
+  at::Tensor res;
+  if (present(residual) && geo.N > 0) res = as_rows(*residual).contiguous();
   // A decode step's few tokens need no routing: the decode GEMM reads each row's expert from the mask, where the table
   // serves M (linear_dual_forward returns a routing for the backward, so it routes and takes the GEMMs below).
   if (!return_routing && geo.N > 0 &&
-      routed::decode_linear(g, as_rows(x), mask.reshape({geo.M}).contiguous(), weight_t, weight_v, b0, b1, out))
+      routed::decode_linear(g, as_rows(x), mask.reshape({geo.M}).contiguous(), weight_t, weight_v, b0, b1, out, res))
     return {out.view(with_last(x, geo.N)), at::Tensor()};
 
   // A routing given: the gather GEMM reads it and routes nothing (2% of the forward at 4096 tokens).
@@ -64,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
   routed::Experts w(weight_t, weight_v, /*single=*/false);
   // K = 0 takes the pointer kernel (no TMA descriptor of an empty dimension): out = bias_e (or 0).
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);
-  routed::linear(g, r, routed::tokens(as_rows(x)), w, b0, b1, routed::tokens(out), /*w_transposed=*/false, tma);
+  routed::linear(g, r, routed::tokens(as_rows(x)), w, b0, b1, routed::tokens(out), /*w_transposed=*/false, tma, res);
   // Every path of routed::linear leaves perm and seg written (by a routing kernel or by the GEMM that routed itself).
   return {out.view(with_last(x, geo.N)), return_routing ? r.buffer : at::Tensor()};
 }
@@ -73,16 +79,18 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
 at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                             const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
                             const std::optional<at::Tensor>& bias_t, bool allow_tf32,
-                            const std::optional<at::Tensor>& routing) {
+                            const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& residual) {
   return std::get<0>(
-      forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing, /*return_routing=*/false));
+      forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing, residual, /*return_routing=*/false));
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cuda(const at::Tensor& x, const at::Tensor& mask,
                                                             const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                             const std::optional<at::Tensor>& bias_v,
-                                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32) {
-  return forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, std::nullopt, /*return_routing=*/true);
+                                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32,
+                                                            const std::optional<at::Tensor>& residual) {
+  return forward(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, std::nullopt, residual,
+                 /*return_routing=*/true);
 }
 
 LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,

@@ -20,7 +20,8 @@ LinearDualGeometry concrete(const LinearDualSymGeometry& g) {
 LinearDualSymGeometry check_linear_dual_inputs_symint(const at::Tensor& x, const at::Tensor& mask,
                                                       const at::Tensor& weight_v, const at::Tensor& weight_t,
                                                       const std::optional<at::Tensor>& bias_v,
-                                                      const std::optional<at::Tensor>& bias_t) {
+                                                      const std::optional<at::Tensor>& bias_t,
+                                                      const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() >= 1, kOp, ": x must have at least one dimension [..., K], got a scalar");
   check_routed_dtype(x, kOp, "x");
   TORCH_CHECK(weight_v.dim() == 2, kOp, ": weight_v must have shape [N, K] (nn.Linear layout), got ",
@@ -40,13 +41,21 @@ LinearDualSymGeometry check_linear_dual_inputs_symint(const at::Tensor& x, const
     TORCH_SYM_CHECK((*b)->sym_size(0).sym_eq(g.N), kOp, ": ", what, " must have shape [N] = [", g.N, "], got ",
                     (*b)->sym_sizes());
   }
+  if (present(residual)) {
+    check_like(*residual, "residual", x, "x", kOp);
+    const auto want = with_last_symint(x, g.N);
+    TORCH_SYM_CHECK(sym_equal(residual->sym_sizes(), want), kOp,
+                    ": residual must have the output's shape x.shape[:-1] + [N] = ", c10::SymIntArrayRef(want),
+                    " (the block's input that the output is added to), got ", residual->sym_sizes());
+  }
   return g;
 }
 
 LinearDualSymGeometry check_linear_dual_backward_inputs_symint(const at::Tensor& grad_out, const at::Tensor& x,
                                                                const at::Tensor& mask, const at::Tensor& weight_v,
                                                                const at::Tensor& weight_t) {
-  LinearDualSymGeometry g = check_linear_dual_inputs_symint(x, mask, weight_v, weight_t, std::nullopt, std::nullopt);
+  LinearDualSymGeometry g =
+      check_linear_dual_inputs_symint(x, mask, weight_v, weight_t, std::nullopt, std::nullopt, std::nullopt);
   check_like(grad_out, "grad_out", x, "x", kOp);
   const auto want = with_last_symint(x, g.N);
   TORCH_SYM_CHECK(sym_equal(grad_out.sym_sizes(), want), kOp,
@@ -57,8 +66,9 @@ LinearDualSymGeometry check_linear_dual_backward_inputs_symint(const at::Tensor&
 
 LinearDualGeometry check_linear_dual_inputs(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
                                             const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
-                                            const std::optional<at::Tensor>& bias_t) {
-  return concrete(check_linear_dual_inputs_symint(x, mask, weight_v, weight_t, bias_v, bias_t));
+                                            const std::optional<at::Tensor>& bias_t,
+                                            const std::optional<at::Tensor>& residual) {
+  return concrete(check_linear_dual_inputs_symint(x, mask, weight_v, weight_t, bias_v, bias_t, residual));
 }
 
 LinearDualGeometry check_linear_dual_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x,
@@ -74,16 +84,17 @@ using at::Tensor;
 
 Tensor fwd(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Tensor& weight_t,
            const std::optional<Tensor>& bias_v, const std::optional<Tensor>& bias_t, bool /*allow_tf32*/,
-           const std::optional<Tensor>& routing) {
-  const auto g = fused::check_linear_dual_inputs_symint(x, mask, weight_v, weight_t, bias_v, bias_t);
+           const std::optional<Tensor>& routing, const std::optional<Tensor>& residual) {
+  const auto g = fused::check_linear_dual_inputs_symint(x, mask, weight_v, weight_t, bias_v, bias_t, residual);
   fused::check_routing(routing, g.M, x, "linear_dual", /*forward_routing=*/true);
   return at::empty_symint(fused::with_last_symint(x, g.N), x.options());
 }
 
 std::tuple<Tensor, Tensor> fwd_routing(const Tensor& x, const Tensor& mask, const Tensor& weight_v,
                                       const Tensor& weight_t, const std::optional<Tensor>& bias_v,
-                                      const std::optional<Tensor>& bias_t, bool /*allow_tf32*/) {
-  const auto g = fused::check_linear_dual_inputs_symint(x, mask, weight_v, weight_t, bias_v, bias_t);
+                                      const std::optional<Tensor>& bias_t, bool /*allow_tf32*/,
+                                      const std::optional<Tensor>& residual) {
+  const auto g = fused::check_linear_dual_inputs_symint(x, mask, weight_v, weight_t, bias_v, bias_t, residual);
   return {at::empty_symint(fused::with_last_symint(x, g.N), x.options()),
           at::empty_symint({fused::routed::routing_buffer_size(g.M)}, x.options().dtype(at::kInt))};
 }

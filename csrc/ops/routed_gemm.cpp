@@ -85,25 +85,23 @@ int bits(std::initializer_list<bool> flags) {
 bool flag_bit(int combo, int n, int f) { return (combo >> (n - 1 - f)) & 1; }
 std::string align_str(bool aligned) { return std::to_string(aligned ? kAlign : 1); }
 
-// routed_linear_kernel (gather, scatter, wt, bias, res): linear_dual forward with / without bias, its grad-input (and
-// the pointer ffn backward's, all in token order), the ffn down projection (A = expert-ordered h) with / without the
-// residual add.
+// routed_linear_kernel (gather, scatter, wt, bias, res): the combinations of aot/manifest.py FLAG_SETS (each forward
+// operand path with every epilogue, the grad-input paths with none).
 std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, bool bias, bool res, const KernelConfig& c) {
   return listed_key(bits({gather, scatter, wt, bias, res}), "routed_linear_kernel",
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"scatter", flag(scatter)},
                               {"wt", flag(wt)}, {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg}}));
 }
-// routed_linear_tma_kernel (scatter, wt, bias, res): the same with expert-ordered A, the ffn backward's expert-ordered
-// outputs (not scattered), and the ffn down projection into token-order rows (scattered, or in place for a single
-// expert read in place) with / without the residual add.
+// routed_linear_tma_kernel (scatter, wt, bias, res): the same with expert-ordered A (FLAG_SETS).
 std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, bool bias, bool res, const KernelConfig& c) {
   return listed_key(bits({scatter, wt, bias, res}), "routed_linear_tma_kernel",
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", flag(scatter)}, {"wt", flag(wt)},
                               {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg}}));
 }
 // The token-order gather GEMMs also route a deferred routing: route = its one-block size, 0 when routed already.
-std::string linear_gather_tma_key(const Gemm& g, bool bias, const KernelConfig& c, int64_t route, bool aligned) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"cfg", c.cfg},
+std::string linear_gather_tma_key(const Gemm& g, bool bias, bool res, const KernelConfig& c, int64_t route,
+                                  bool aligned) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg},
                    {"route", std::to_string(route)}, {"align", align_str(aligned)}});
 }
 std::string swiglu_gather_tma_key(const Gemm& g, bool save, const KernelConfig& c, int64_t route, bool aligned) {
@@ -132,15 +130,15 @@ std::string grad_weight_key(const Gemm& g, bool gather, bool dbias, const Kernel
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"dbias", flag(dbias)},
                               {"cfg", c.cfg}}));
 }
-std::string decode_linear_key(const Gemm& g, bool bias, const KernelConfig& c) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"cfg", c.cfg}});
+std::string decode_linear_key(const Gemm& g, bool bias, bool res, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg}});
 }
 // decode_reduce_kernel's BLOCK_N and MAX_SPLITS (kernels/gemm_decode.py DECODE_REDUCE_COLS, DECODE_MAX_SPLITS; in the
 // key as "cols" and "splits").
 constexpr int64_t kDecodeReduceCols = 64, kDecodeMaxSplits = 32;
-std::string decode_reduce_key(const Gemm& g, bool bias) {
-  return make_key({{"dtype", g.dt}, {"bias", flag(bias)}, {"cols", std::to_string(kDecodeReduceCols)},
-                   {"splits", std::to_string(kDecodeMaxSplits)}});
+std::string decode_reduce_key(const Gemm& g, bool bias, bool res) {
+  return make_key({{"dtype", g.dt}, {"bias", flag(bias)}, {"res", flag(res)},
+                   {"cols", std::to_string(kDecodeReduceCols)}, {"splits", std::to_string(kDecodeMaxSplits)}});
 }
 std::string gather_rows_key(const Gemm& g, bool colsum) {
   return make_key({{"dtype", g.dt}, {"colsum", flag(colsum)}, {"rows", std::to_string(kGatherRows)},
@@ -180,6 +178,14 @@ void check_rows(const Routing& r, const Rows& x, int64_t cols, const char* what)
 int64_t max_row_tiles(const Routing& r, int64_t bm) { return r.aligned ? r.M_pad / bm : cdiv(r.M, bm) + 1; }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// A residual read with out's row stride (the kernels take one): the same sizes and dtype, and the same strides where
+// they are used (a size-1 dimension's stride never is).
+bool same_rows(const at::Tensor& residual, const at::Tensor& out) {
+  return residual.sizes() == out.sizes() && residual.scalar_type() == out.scalar_type() && out.dim() == 2 &&
+         (out.size(0) <= 1 || residual.stride(0) == out.stride(0)) &&
+         (out.size(1) <= 1 || residual.stride(1) == out.stride(1));
+}
 
 int64_t row_stride(const at::Tensor& w) { return w.size(0) > 1 ? w.stride(0) : w.size(1); }
 
@@ -524,10 +530,8 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     TORCH_INTERNAL_ASSERT(bias0.numel() == n && bias1.numel() == n && (n <= 1 || (bias0.stride(0) == 1 &&
                                                                                    bias1.stride(0) == 1)));
   const bool has_res = residual.defined();
-  TORCH_INTERNAL_ASSERT(!has_res || (a.expert_ordered && !out.expert_ordered && !w_transposed && !has_bias &&
-                                     residual.sizes() == out.t.sizes() && residual.strides() == out.t.strides() &&
-                                     residual.scalar_type() == out.t.scalar_type()),
-                        "routed GEMM: a residual is added to the forward from expert-ordered A into token-order rows");
+  TORCH_INTERNAL_ASSERT(!has_res || (!out.expert_ordered && !w_transposed && same_rows(residual, out.t)),
+                        "routed GEMM: a residual is added to the forward into token-order rows");
   // Unused pointer arguments get the (16-byte aligned) perm so that they never block the aligned variant.
   const void* b0 = has_bias ? bias0.data_ptr() : perm_arg(r, out.t);
   const void* b1 = has_bias ? bias1.data_ptr() : perm_arg(r, out.t);
@@ -546,12 +550,12 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
       args.ptr(a.t.data_ptr())
           .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
           .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
-          .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
+          .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(res).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
           .ptr(here.mask).i32(r.M)
           .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(out.t.stride(0)).i32(st.map);
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(n, c->block[1]);
       launch_on_current_stream("routed_linear_gather_tma_kernel",
-                               linear_gather_tma_key(g, has_bias, *c, here.block, r.aligned),
+                               linear_gather_tma_key(g, has_bias, has_res, *c, here.block, r.aligned),
                                args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
       r.pending = at::Tensor();
       return;
@@ -602,8 +606,8 @@ std::pair<int64_t, int64_t> decode_split(int64_t n, int64_t k, int64_t bn, int64
 }  // namespace
 
 bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& w_text,
-                   const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1,
-                   const at::Tensor& out) {
+                   const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1, const at::Tensor& out,
+                   const at::Tensor& residual) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const KernelConfig* c = find_config("routed_decode_linear_kernel", family(g), g.cc, M);
   if (!c || config_off(*c)) return false;
@@ -613,26 +617,29 @@ bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, c
                         (K <= 1 || x.stride(1) == 1) && (N <= 1 || out.stride(1) == 1));
   const at::Tensor w0 = unit_inner(w_text), w1 = unit_inner(w_vision);
   const auto [n_split, k_split] = decode_split(N, K, c->block[1], c->block[2], g.sms);
-  const bool has_bias = bias0.defined();
+  const bool has_bias = bias0.defined(), has_res = residual.defined();
   TORCH_INTERNAL_ASSERT(has_bias == bias1.defined());
+  TORCH_INTERNAL_ASSERT(!has_res || same_rows(residual, out));
   // More than one split: fp32 partial sums [n_split, M, N], every entry written by the programs of its row's expert.
   const at::Tensor ws = n_split > 1 ? at::empty({n_split, M, N}, out.options().dtype(at::kFloat)) : out;
   // Unused pointer arguments get out's (16-byte aligned) pointer so that they never block the aligned variant.
   const void* b0 = has_bias ? bias0.data_ptr() : out.data_ptr();
   const void* b1 = has_bias ? bias1.data_ptr() : out.data_ptr();
+  const void* res = has_res ? residual.data_ptr() : out.data_ptr();
   KernelArgs args;
-  args.ptr(x.data_ptr()).ptr(mask.data_ptr()).ptr(w0.data_ptr()).ptr(w1.data_ptr()).ptr(b0).ptr(b1)
+  args.ptr(x.data_ptr()).ptr(mask.data_ptr()).ptr(w0.data_ptr()).ptr(w1.data_ptr()).ptr(b0).ptr(b1).ptr(res)
       .ptr(out.data_ptr()).ptr(ws.data_ptr())
       .i32(M).i32(N).i32(K).i32(k_split).i32(x.stride(0)).i32(row_stride(w0)).i32(row_stride(w1)).i32(out.stride(0));
   // grid (column tiles, splits, experts): the programs of an expert with no token exit before reading its weights
   Grid tiles = grid(cdiv(N, c->block[1]), n_split);
   tiles.z = 2;
-  launch_on_current_stream("routed_decode_linear_kernel", decode_linear_key(g, has_bias, *c), args, tiles, out);
+  launch_on_current_stream("routed_decode_linear_kernel", decode_linear_key(g, has_bias, has_res, *c), args, tiles,
+                           out);
   if (n_split > 1) {
     KernelArgs sum;
-    sum.ptr(ws.data_ptr()).ptr(mask.data_ptr()).ptr(b0).ptr(b1).ptr(out.data_ptr())
+    sum.ptr(ws.data_ptr()).ptr(mask.data_ptr()).ptr(b0).ptr(b1).ptr(res).ptr(out.data_ptr())
         .i32(M).i32(N).i32(n_split).i32(out.stride(0));
-    launch_on_current_stream("decode_reduce_kernel", decode_reduce_key(g, has_bias), sum,
+    launch_on_current_stream("decode_reduce_kernel", decode_reduce_key(g, has_bias, has_res), sum,
                              grid(M, cdiv(N, kDecodeReduceCols)), out);
   }
   return true;
@@ -939,10 +946,11 @@ std::vector<VariantRequest> requestable_variants(int cc) {
       if (const KernelConfig* c = cfg("routed_grad_weight_kernel"))
         each_combo("routed_grad_weight_kernel", [&](auto b) { return grad_weight_key(g, b(0), b(1), *c); });
       if (const KernelConfig* c = optional_cfg("routed_decode_linear_kernel"))
-        for (bool bias : {false, true}) {
-          out.insert({"routed_decode_linear_kernel", decode_linear_key(g, bias, *c)});
-          out.insert({"decode_reduce_kernel", decode_reduce_key(g, bias)});
-        }
+        for (bool bias : {false, true})
+          for (bool res : {false, true}) {
+            out.insert({"routed_decode_linear_kernel", decode_linear_key(g, bias, res, *c)});
+            out.insert({"decode_reduce_kernel", decode_reduce_key(g, bias, res)});
+          }
       if (!tma) continue;
       if (const KernelConfig* c = cfg("routed_linear_tma_kernel"))
         each_combo("routed_linear_tma_kernel", [&](auto b) { return linear_tma_key(g, b(0), b(1), b(2), b(3), *c); });
@@ -950,8 +958,9 @@ std::vector<VariantRequest> requestable_variants(int cc) {
         out.insert({"routed_grad_weight_tma_kernel", grad_weight_tma_key(g, *c)});
       if (const KernelConfig* c = optional_cfg("routed_linear_gather_tma_kernel"))
         for (bool bias : {false, true})
-          for (int64_t route : routes)
-            out.insert({"routed_linear_gather_tma_kernel", linear_gather_tma_key(g, bias, *c, route, true)});
+          for (bool res : {false, true})
+            for (int64_t route : routes)
+              out.insert({"routed_linear_gather_tma_kernel", linear_gather_tma_key(g, bias, res, *c, route, true)});
       if (!tma_swiglu) continue;
       // the ffn forward's x gather on its unaligned routing, which it routes itself
       if (one_block_size(m) > 0) out.insert({"route_gather_rows_kernel", route_gather_rows_key(g, one_block_size(m))});

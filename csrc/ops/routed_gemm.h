@@ -238,21 +238,23 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
 // expert, whose token order is the expert order: then a is read in place when TMA can address it); else the pointer kernel
 // (a gathered through perm when in token order). bias0/bias1: both defined or both undefined, [N], dtype of a.
 // Rows [end, M_pad) of an expert-ordered out are not written; its other padding rows get bias_e (0 without bias).
-// residual, when defined: added in the epilogue (out = a · W_eᵀ + residual, one rounding), a tensor of out's shape and
-// row stride (unit inner stride), read at the rows out is written; the forward with token-order out only, no bias (the
-// ffn down projection: a transformer block's residual add).
+// residual, when defined: added in the epilogue (out = a · W_eᵀ (+ bias_e) + residual, one rounding), a tensor of out's
+// shape and strides, read at the rows out is written; the forward into token-order rows only (linear_dual's and the
+// ffn down projection's `residual`: a transformer block's residual add).
 void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0,
             const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma,
             const at::Tensor& residual = at::Tensor());
 
-// The linear forward of a few tokens (kernels/gemm_decode.py), with no routing: out[i] = x[i] · W_eᵀ (+ bias_e), e
-// the expert of mask[i], for x [M, K] in token order (unit inner stride), mask bool [M] contiguous, w_text / w_vision
-// [N, K] each with its own row stride (no copy in any layout), bias0 / bias1 as for linear, out [M, N]. Where its table
+// The linear forward of a few tokens (kernels/gemm_decode.py), with no routing: out[i] = x[i] · W_eᵀ (+ bias_e)
+// (+ residual[i]), e the expert of mask[i], for x [M, K] in token order (unit inner stride), mask bool [M] contiguous,
+// w_text / w_vision [N, K] each with its own row stride (no copy in any layout), bias0 / bias1 and residual as for
+// linear, out [M, N]. Where its table
 // has a bucket for M (aot/configs/: a decode step's token counts) it launches the GEMM with its reduction split over
 // the grid (and, for more than one split, the in-order sum of the splits) and returns true; elsewhere it launches
 // nothing and returns false (the caller routes and takes linear).
 bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& w_text,
-                   const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1, const at::Tensor& out);
+                   const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1, const at::Tensor& out,
+                   const at::Tensor& residual = at::Tensor());
 
 // h = silu(a · W1_eᵀ) * (a · W3_eᵀ) into an expert-ordered h [r.rows(), I]; a [., H]; W1_e, W3_e [I, H]. Rows of h
 // that belong to no token are not written.

@@ -35,6 +35,7 @@ def linear_dual(
     bias_t: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
     routing: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Routed linear: each token through the vision expert where `mask` is true, the text expert elsewhere.
 
@@ -59,11 +60,14 @@ def linear_dual(
             `torch.backends.cuda.matmul.allow_tf32` is NOT consulted. Ignored for 16-bit inputs and on CPU.
         routing: `fused_ops.route(mask)`, computed once for all the routed ops on this mask (then this op routes
             nothing), or None: the op routes `mask` itself. See `fused_ops.route`.
+        residual: optional `[..., N]` (the output's shape), x's dtype and device: added to the output in the GEMM's
+            epilogue, `residual + linear_dual(...)` in one kernel and one rounding (a transformer block's
+            `h = x + dense(attention)`). Its gradient is the output's.
     Returns a new contiguous `[..., N]` tensor of x's dtype on x's device (accumulation in fp32, one rounding).
     Inside `torch.autocast` the floating-point inputs are first cast to the region's dtype, as for
     `torch.nn.functional.linear` (the result then has that dtype; float64 is left alone).
     """
-    return torch.ops.fused.linear_dual(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing)
+    return torch.ops.fused.linear_dual(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, routing, residual)
 
 
 class DualLinear(nn.Module):
@@ -166,12 +170,14 @@ class DualLinear(nn.Module):
                     mod.bias[TEXT].copy_(bt)
         return mod
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, routing: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, routing: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: `[..., in_features]`; mask: bool `[...]` (True = vision token); routing: `fused_ops.route(mask)` or
-        None (see `linear_dual`). Returns `[..., out_features]`."""
+        None; residual: `[..., out_features]` added to the output in the GEMM's epilogue, or None (see
+        `linear_dual`). Returns `[..., out_features]`."""
         w_t, w_v = self.weight.unbind(0)  # views at offsets 0 and N*K of one storage
         b_t, b_v = (None, None) if self.bias is None else self.bias.unbind(0)
-        return torch.ops.fused.linear_dual(x, mask, w_v, w_t, b_v, b_t, self.allow_tf32, routing)
+        return torch.ops.fused.linear_dual(x, mask, w_v, w_t, b_v, b_t, self.allow_tf32, routing, residual)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
