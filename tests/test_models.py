@@ -298,9 +298,14 @@ def test_one_route_per_forward_shared_by_every_layer():
                                                              "ffn_backward")]
     assert sorted(n for n, _ in routed) == sorted(["linear_dual"] * 4 + ["ffn_forward"] * 2
                                                   + ["linear_dual_backward"] * 4 + ["ffn_backward"] * 2), names
+    def arg(n, args, name):
+        names = [a.name for a in getattr(torch.ops.fused, n).default._schema.arguments]
+        return args[names.index(name)] if names.index(name) < len(args) else None
+
     for n, args in routed:
-        arg = args[list(a.name for a in getattr(torch.ops.fused, n).default._schema.arguments).index("routing")]
-        assert arg is not None and arg.data_ptr() == routing.data_ptr(), n
+        assert arg(n, args, "routing") is not None and arg(n, args, "routing").data_ptr() == routing.data_ptr(), n
+    # each layer's residual adds happen in the dense projection's and the down projection's epilogues
+    assert sum(arg(n, args, "residual") is not None for n, args in routed if n in ("linear_dual", "ffn_forward")) == 4
     assert names.count("rope_fwd_qk") == 2 and names.count("rope_bwd_qk") == 2
 
 

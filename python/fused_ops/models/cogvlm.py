@@ -7,7 +7,7 @@ One decoder layer (CogVLM2's, with `vision_expert=True`):
     qkv = linear_dual(a, mask, W_qkv[vision], W_qkv[text], b_qkv_vision, None, routing=r)     [b, s, (hq + 2 hk) d]
     q, k = rope_fwd_qk(view q, view k of qkv, freqs, "bshd")    one launch, reads the strided views in place
     o   = SDPA(q, k, v, causal, GQA)                   keys/values through the KV cache when decoding
-    h   = x + linear_dual(o, mask, W_dense[vision], W_dense[text], routing=r)
+    h   = linear_dual(o, mask, W_dense[vision], W_dense[text], routing=r, residual=x)   x + dense(o), one kernel
     y   = ffn(RMSNorm(h), mask, vision expert, text expert, routing=r, residual=h)   DualExpertSwiGLU
 
 A single-expert model (`vision_expert=False`, a Llama layer) has nn.Linear QKV and dense projections and a
@@ -74,8 +74,10 @@ class FusedAttention(nn.Module):
             self.dense = nn.Linear(c.q_size, c.hidden, bias=False, **f)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], routing: Optional[torch.Tensor],
-                freqs: torch.Tensor, cache: Optional[KVCache], layer: int) -> torch.Tensor:
-        """x `[b, s, H]`; freqs float32 `[>= s, 1, 1, d]`, row j = the angles of the j-th new token's position."""
+                freqs: torch.Tensor, cache: Optional[KVCache], layer: int, residual: torch.Tensor) -> torch.Tensor:
+        """`residual + attention(x)`: x `[b, s, H]` (the normed input); freqs float32 `[>= s, 1, 1, d]`, row j = the
+        angles of the j-th new token's position; residual `[b, s, H]`, the layer's input (a routed dense projection
+        adds it in its epilogue)."""
         c = self.config
         b, s, _ = x.shape
         if c.vision_expert:
@@ -93,7 +95,9 @@ class FusedAttention(nn.Module):
             k, v = cache.update(layer, k, v)
         # SDPA's output is [b, s, hq, d] in memory for its fused backends: the transpose back is then a free view
         o = causal_attention(q, k, v, past).transpose(1, 2).reshape(b, s, c.q_size)
-        return self.dense(o, mask, routing) if c.vision_expert else self.dense(o)
+        if c.vision_expert:
+            return self.dense(o, mask, routing, residual=residual)
+        return residual + self.dense(o)
 
 
 class FusedDecoderLayer(nn.Module):
@@ -111,9 +115,10 @@ class FusedDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], routing: Optional[torch.Tensor],
                 freqs: torch.Tensor, cache: Optional[KVCache] = None, layer: int = 0) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), mask, routing, freqs, cache, layer)
+        # x + attention(norm(x)) and h + mlp(norm(h)): each residual add happens in the epilogue of the projection that
+        # ends its branch (the routed dense and the down projection), one kernel fewer per add
+        h = self.self_attn(self.input_layernorm(x), mask, routing, freqs, cache, layer, residual=x)
         a = self.post_attention_layernorm(h)
-        # h + mlp(a): the residual add happens in the down projection's epilogue (one kernel fewer per layer)
         if self.config.vision_expert:
             return self.mlp(a, mask, routing, residual=h)
         return self.mlp(a, residual=h)
