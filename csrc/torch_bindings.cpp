@@ -30,23 +30,25 @@ TORCH_LIBRARY(fused, m) {
   // against the mask on the CPU.
   m.def("route(Tensor mask) -> Tensor");
   // Modality-routed linear (docs/design.md): out[i] = x[i]·weight_vᵀ + bias_v if mask[i] else x[i]·weight_tᵀ + bias_t.
-  // x [..., K]; mask bool [...] (x's leading shape); weights [N, K] (nn.Linear layout); biases [N]; out [..., N].
+  // x [..., K]; mask bool [...] (x's leading shape); weights [N, K] (nn.Linear layout), or both experts stacked in
+  // weight_v [2, N, K] (text [0], vision [1]) with weight_t None; biases [N]; out [..., N].
   // routing: route(mask) (or linear_dual_forward's routing of mask), or None (the op routes mask itself). residual: a
   // tensor of the output's shape added to it in the GEMM's epilogue (a transformer block's `h + dense(attn)` in one
   // kernel; its gradient is the output's).
-  m.def("linear_dual(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
+  m.def("linear_dual(Tensor x, Tensor mask, Tensor weight_v, Tensor? weight_t, Tensor? bias_v=None, "
         "Tensor? bias_t=None, bool allow_tf32=False, Tensor? routing=None, Tensor? residual=None) -> Tensor");
   // linear_dual and the routing of mask it used (int32 [M + 264]; layout: csrc/ops/routed_gemm.h), for
   // linear_dual_backward: what autograd's forward calls and saves (given a routing, it calls linear_dual and saves
   // that).
-  m.def("linear_dual_forward(Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, Tensor? bias_v=None, "
+  m.def("linear_dual_forward(Tensor x, Tensor mask, Tensor weight_v, Tensor? weight_t, Tensor? bias_v=None, "
         "Tensor? bias_t=None, bool allow_tf32=False, Tensor? residual=None) -> (Tensor, Tensor)");
-  // Gradients of linear_dual: (grad_x, grad_weight_v, grad_weight_t, grad_bias_v, grad_bias_t). output_mask says
-  // which to compute, in that order; the others are returned undefined (None), and their work is skipped. routing:
+  // Gradients of linear_dual: (grad_x, grad_weight_v, grad_weight_t, grad_bias_v, grad_bias_t); stacked weights:
+  // grad_weight_v [2, N, K] and grad_weight_t None. output_mask says which to compute, in that order; the others are
+  // returned undefined (None), and their work is skipped. routing:
   // linear_dual_forward's or route()'s routing of the same mask (then nothing is routed again), or None. A routing's
   // dtype, device and size (which pins M) are checked, its contents only on the CPU: on a GPU that would sync the
   // host, so there it is trusted to be the mask's, as flash-attention trusts its forward's saved tensors.
-  m.def("linear_dual_backward(Tensor grad_out, Tensor x, Tensor mask, Tensor weight_v, Tensor weight_t, "
+  m.def("linear_dual_backward(Tensor grad_out, Tensor x, Tensor mask, Tensor weight_v, Tensor? weight_t, "
         "bool allow_tf32=False, bool[5] output_mask=[True, True, True, True, True], Tensor? routing=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // SwiGLU MLP w2(silu(x·w1ᵀ) ⊙ x·w3ᵀ). x [..., H]; w1 (gate), w3 (up) [I, H]; w2 (down) [H, I]; out [..., H].

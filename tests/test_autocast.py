@@ -124,7 +124,15 @@ def test_autocast_casts_stacked_experts_as_one_tensor(device, kind):
         mod(x, *rest)
     (func, args), = rec.calls
     if kind == "linear_dual":
-        pairs = [(args[3], args[2]), (args[5], args[4])]  # (text, vision): weights, biases
+        # DualLinear passes its stacked [2, N, K] weight as it is (cast as one tensor), its bias as per-expert views
+        assert args[2].dim() == 3 and args[2].dtype == torch.bfloat16 and args[3] is None
+        pairs = [(args[5], args[4])]  # (text, vision) biases
+        # the weight passed as per-expert views (vision, text): cast as one tensor and split again
+        rec = _OpArgs()
+        with torch.autocast(device_type(device), dtype=torch.bfloat16), rec:
+            torch.ops.fused.linear_dual(x, rest[0], mod.weight[1], mod.weight[0])
+        (func, args), = rec.calls
+        pairs.append((args[3], args[2]))
     else:
         # DualExpertSwiGLU passes its stacked [2, ...] parameters as they are: each is cast as one tensor
         assert all(t.dim() == 3 and t.dtype == torch.bfloat16 for t in args[1:4]) and all(a is None for a in args[5:8])

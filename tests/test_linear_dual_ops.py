@@ -480,6 +480,37 @@ def test_weight_layouts_same_bits(device, M):
     assert torch.equal(tied, OPS.linear_dual(x, mask, wv, wv.clone(), bv, bt)), "tied experts differ from two copies"
 
 
+@pytest.mark.parametrize("M", [1, 16, 300])
+def test_stacked_weights(device, M):
+    """Both experts in one [2, N, K] weight_v (text [0], vision [1]) with weight_t None: the bits of the two views
+    given apart, forward (decode sizes too) and backward; the weight gradient comes back as one [2, N, K] tensor (the
+    two experts' gradients at [0] and [1]), grad_weight_t None; output_mask's slot 1 asks for it; through autograd the
+    stacked leaf gets that gradient, against float64 autograd of the reference."""
+    K, N = 64, 48
+    x = strided_view((M,), K, torch.bfloat16, device)
+    mask = make_mask("random", (M,), device)
+    g = strided_view((M,), N, torch.bfloat16, device)
+    wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, device, "both")
+    w = torch.stack([wt, wv])
+    assert torch.equal(OPS.linear_dual(x, mask, w, None, bv, bt), OPS.linear_dual(x, mask, w[1], w[0], bv, bt))
+    gx, gw, gw_t, gbv, gbt = OPS.linear_dual_backward(g, x, mask, w, None)
+    apart = OPS.linear_dual_backward(g, x, mask, w[1], w[0])
+    assert gw_t is None and tuple(gw.shape) == (2, N, K) and gw.is_contiguous()
+    assert torch.equal(gx, apart[0]) and torch.equal(gw[1], apart[1]) and torch.equal(gw[0], apart[2])
+    assert torch.equal(gbv, apart[3]) and torch.equal(gbt, apart[4])
+    only_w = OPS.linear_dual_backward(g, x, mask, w, None, output_mask=[False, True, False, False, False])
+    assert only_w[0] is None and torch.equal(only_w[1], gw) and all(t is None for t in only_w[2:])
+    none_w = OPS.linear_dual_backward(g, x, mask, w, None, output_mask=[True, False, True, True, True])
+    assert none_w[1] is None and none_w[2] is None and torch.equal(none_w[0], gx)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, bv)]
+    out = linear_dual(leaves[0], mask, leaves[1], None, leaves[2])
+    out.backward(g)
+    _, ref_grads = reference_grads(lambda a, b, c: linear_dual_reference(a, mask, b[1], b[0], c, None), [x, w, bv], g,
+                                   [True, True, True])
+    for name, leaf, rg in zip(("x", "weight", "bias_v"), leaves, ref_grads):
+        check_grad(leaf.grad, rg, torch.bfloat16, TOL[torch.bfloat16], f"grad {name}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 16, 2048])
 @pytest.mark.parametrize("layout", ["separate", "text_first", "vision_first"])
@@ -508,6 +539,26 @@ def test_weights_read_in_place(gpu_device, M, layout):
     copies = [e.name for e in prof.events() if e.name in ("aten::stack", "aten::copy_", "aten::clone", "aten::cat")]
     assert not copies, f"{layout}: the op copied its weights ({copies})"
     check_out(out, linear_dual_reference(x, mask, wv, wt), (M, N), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_dual_linear_training_step_copies_nothing(gpu_device):
+    """DualLinear passes its [2, N, K] weight whole: a forward + backward through autograd launches no copy, stack or
+    cat (the gradient of the stacked weight is written in place, no per-expert gradients stacked by autograd)."""
+    M, K, N = 2048, 512, 768
+    mod = DualLinear(K, N, bias=False, device=gpu_device, dtype=torch.bfloat16)
+    x = torch.randn(M, K, device=gpu_device, dtype=torch.bfloat16, requires_grad=True)
+    mask = make_mask("span", (M,), gpu_device)
+    g = torch.randn(M, N, device=gpu_device, dtype=torch.bfloat16)
+    mod(x, mask).backward(g)  # warm
+    mod.weight.grad = x.grad = None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        mod(x, mask).backward(g)
+        sync(gpu_device)
+    copies = [e.name for e in prof.events() if e.name in ("aten::stack", "aten::copy_", "aten::clone", "aten::cat")]
+    assert not copies, f"a DualLinear step copied ({copies})"
+    ref = reference_grads(lambda a, b: linear_dual_reference(a, mask, b[1], b[0]), [x, mod.weight], g, [True, True])
+    check_grad(mod.weight.grad, ref[1][1], torch.bfloat16, TOL[torch.bfloat16], "grad weight")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -743,6 +794,11 @@ def test_errors_structural(device):
         ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing[None])),
         ("routing", lambda: OPS.linear_dual_backward(g, x, mask, wv, wt, routing=routing[::2])),
         ("routing", lambda: OPS.linear_dual_backward(g[:5], x[:5], mask[:5], wv, wt, routing=routing)),  # M 6 != 5
+        ("weight_v", lambda: OPS.linear_dual(x, mask, wv, None)),  # 2-D weight_v without weight_t
+        ("weight_v", lambda: OPS.linear_dual(x, mask, torch.stack([wv, wt, wv]), None)),  # [3, N, K]
+        ("weight_v", lambda: OPS.linear_dual(x, mask, torch.stack([wt, wv]), wt)),  # stacked and weight_t
+        ("weight", lambda: OPS.linear_dual(x, mask, torch.stack([wt, wv])[:, :, :-1], None)),  # K != x's K
+        ("weight_v", lambda: OPS.linear_dual_backward(g, x, mask, wv, None)),
         ("residual", lambda: OPS.linear_dual(x, mask, wv, wt, residual=g[:, :-1])),  # [M, N-1]
         ("residual", lambda: OPS.linear_dual(x, mask, wv, wt, residual=x)),  # x's shape, not the output's
         ("residual", lambda: OPS.linear_dual(x, mask, wv, wt, residual=g[None])),  # [1, M, N]
@@ -822,6 +878,14 @@ def test_gradcheck_cpu_residual():
                                     (x, wv, wt, bv, bt, res))
 
 
+def test_gradcheck_cpu_stacked():
+    x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    mask = make_mask("random", (7,))
+    w = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    bv = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: OPS.linear_dual(a, mask, b, None, c), (x, w, bv))
+
+
 def test_gradcheck_cpu_leading_shape():
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     mask = make_mask("random", (2, 3))
@@ -847,8 +911,10 @@ def _opcheck_samples(op_name):
             ((mk(2, 3, K, rg=True), mask.reshape(2, 3), mk(N, K, rg=True), mk(N, K)), dict(bias_t=mk(N, rg=True))),
             ((mk(M, K, rg=True), mask, mk(N, K, rg=True), mk(N, K)), dict(residual=mk(M, N, rg=True))),
             ((mk(M, K), mask, mk(N, K), mk(N, K), mk(N)), dict(residual=mk(M, N, rg=True))),
+            ((mk(M, K, rg=True), mask, mk(2, N, K, rg=True), None, mk(N, rg=True)), {}),
         ]
     return [((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)), {}),
+            ((mk(M, N), mk(M, K), mask, mk(2, N, K), None), {}),
             ((mk(2, 3, N), mk(2, 3, K), mask.reshape(2, 3), mk(N, K), mk(N, K)), dict(allow_tf32=True)),
             ((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)), dict(output_mask=[True, True, False, False, True])),
             ((mk(M, N), mk(M, K), mask, mk(N, K), mk(N, K)),
@@ -892,6 +958,10 @@ def test_meta_device():
         assert gx.shape == x.shape and gwv.shape == gwt.shape == (24, 40) and gbv.shape == gbt.shape == (24,)
         assert OPS.linear_dual(x, mask, w, w, residual=torch.empty(out.shape, device="meta",
                                                                    dtype=torch.bfloat16)).shape == out.shape
+        ws = torch.empty(2, 24, 40, device="meta", dtype=torch.bfloat16)
+        assert OPS.linear_dual(x, mask, ws, None).shape == out.shape
+        sgx, sgw, sgwt, _, _ = OPS.linear_dual_backward(g, x, mask, ws, None)
+        assert sgx.shape == x.shape and sgw.shape == (2, 24, 40) and sgwt is None
         out2, routing = OPS.linear_dual_forward(x, mask, w, w, b, None)
         assert out2.shape == out.shape and routing.dtype == torch.int32 and routing.shape == (math.prod(lead) + 264,)
         assert OPS.linear_dual_backward(g, x, mask, w, w, routing=routing)[0].shape == x.shape

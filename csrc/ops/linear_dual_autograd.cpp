@@ -23,18 +23,20 @@ const c10::TypedOperatorHandle<fused::LinearDualOp>& linear_dual_op() {
 
 struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& mask, const Tensor& weight_v,
-                        const Tensor& weight_t, const std::optional<Tensor>& bias_v,
+                        const std::optional<Tensor>& weight_t, const std::optional<Tensor>& bias_v,
                         const std::optional<Tensor>& bias_t, bool allow_tf32, const std::optional<Tensor>& given,
                         const std::optional<Tensor>& residual) {
     ctx->saved_data["allow_tf32"] = allow_tf32;
     // The residual's index among the inputs autograd tracks (needs_input_grad counts the tensors given, not None)
-    const int64_t given_tensors = 4 + fused::present(bias_v) + fused::present(bias_t) + fused::present(given);
+    const int64_t given_tensors = 3 + fused::present(weight_t) + fused::present(bias_v) + fused::present(bias_t) +
+                                  fused::present(given);
     ctx->saved_data["residual_edge"] = fused::present(residual) ? given_tensors : int64_t{-1};
+    ctx->saved_data["has_weight_t"] = fused::present(weight_t);
     ctx->saved_data["has_bias_v"] = fused::present(bias_v);
     ctx->saved_data["has_bias_t"] = fused::present(bias_t);
     at::AutoDispatchBelowADInplaceOrView guard;
     if (fused::present(given)) {
-      ctx->save_for_backward({x, mask, weight_v, weight_t, *given});
+      ctx->save_for_backward({x, mask, weight_v, weight_t.value_or(Tensor()), *given});
       return linear_dual_op().call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, given, residual);
     }
     // linear_dual_forward also returns the routing of mask it used: the backward takes it instead of routing again.
@@ -42,7 +44,7 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
                          .findSchemaOrThrow("fused::linear_dual_forward", "")
                          .typed<fused::LinearDualForwardOp>();
     auto [out, routing] = op.call(x, mask, weight_v, weight_t, bias_v, bias_t, allow_tf32, residual);
-    ctx->save_for_backward({x, mask, weight_v, weight_t, routing});
+    ctx->save_for_backward({x, mask, weight_v, weight_t.value_or(Tensor()), routing});
     return out;
   }
 
@@ -53,12 +55,15 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
     const auto s = ctx->get_saved_variables();
     // Only what autograd asks for is computed: no grad_x for an input that needs none, no weight gradient of a
     // frozen expert, no bias gradient of a missing or frozen bias. needs_input_grad counts the tensor inputs given:
-    // x, mask, weight_v, weight_t, then whichever biases are there.
+    // x, mask, weight_v, weight_t (absent: both experts stacked in weight_v), then whichever biases are there.
+    const bool has_wt = ctx->saved_data["has_weight_t"].toBool();
     const bool has_bv = ctx->saved_data["has_bias_v"].toBool(), has_bt = ctx->saved_data["has_bias_t"].toBool();
+    const int64_t bias_v_edge = 3 + has_wt, bias_t_edge = bias_v_edge + has_bv;
     const fused::LinearDualOutputMask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(2),
-                                              ctx->needs_input_grad(3), has_bv && ctx->needs_input_grad(4),
-                                              has_bt && ctx->needs_input_grad(has_bv ? 5 : 4)};
-    auto [gx, gw_v, gw_t, gb_v, gb_t] = op.call(grads[0], s[0], s[1], s[2], s[3],
+                                              has_wt && ctx->needs_input_grad(3),
+                                              has_bv && ctx->needs_input_grad(bias_v_edge),
+                                              has_bt && ctx->needs_input_grad(bias_t_edge)};
+    auto [gx, gw_v, gw_t, gb_v, gb_t] = op.call(grads[0], s[0], s[1], s[2], s[3].defined() ? std::optional<Tensor>(s[3]) : std::nullopt,
                                                 ctx->saved_data["allow_tf32"].toBool(), want, s[4]);
     // The residual is added to the output: its gradient is the output's.
     const int64_t residual_edge = ctx->saved_data["residual_edge"].toInt();
@@ -67,11 +72,11 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
   }
 };
 
-Tensor linear_dual(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const Tensor& weight_t,
+Tensor linear_dual(const Tensor& x, const Tensor& mask, const Tensor& weight_v, const std::optional<Tensor>& weight_t,
                    const std::optional<Tensor>& bias_v, const std::optional<Tensor>& bias_t, bool allow_tf32,
                    const std::optional<Tensor>& routing, const std::optional<Tensor>& residual) {
   const auto grad = [](const std::optional<Tensor>& t) { return fused::present(t) && t->requires_grad(); };
-  if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight_v.requires_grad() || weight_t.requires_grad() ||
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight_v.requires_grad() || grad(weight_t) ||
                                        grad(bias_v) || grad(bias_t) || grad(residual))) {
     // No graph to record: linear_dual itself, without the routing a backward would take.
     at::AutoDispatchBelowADInplaceOrView guard;

@@ -15,13 +15,13 @@ at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kD
 
 struct Expert {
   at::Tensor rows;  // int64 indices of the tokens routed to this expert
-  const at::Tensor& weight;
+  at::Tensor weight;
 };
 
 }  // namespace
 
 at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
-                           const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
+                           const OptTensor& weight_t, const std::optional<at::Tensor>& bias_v,
                            const std::optional<at::Tensor>& bias_t, bool /*allow_tf32*/,
                            const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& residual) {
   const LinearDualGeometry g = check_linear_dual_inputs(x, mask, weight_v, weight_t, bias_v, bias_t, residual);
@@ -32,7 +32,8 @@ at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at
   const at::Tensor m = mask.reshape({g.M});
   at::Tensor out = at::zeros({g.M, g.N}, x.options().dtype(ct));
   const std::optional<at::Tensor>* biases[2] = {&bias_v, &bias_t};
-  const Expert experts[2] = {{m.nonzero().flatten(), weight_v}, {m.logical_not().nonzero().flatten(), weight_t}};
+  const auto [wv, wt] = expert_weights(weight_v, weight_t);
+  const Expert experts[2] = {{m.nonzero().flatten(), wv}, {m.logical_not().nonzero().flatten(), wt}};
   for (int e = 0; e < 2; ++e) {
     if (experts[e].rows.numel() == 0) continue;
     at::Tensor y = xr.index_select(0, experts[e].rows).matmul(experts[e].weight.to(ct).t());
@@ -44,7 +45,7 @@ at::Tensor linear_dual_cpu(const at::Tensor& x, const at::Tensor& mask, const at
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cpu(const at::Tensor& x, const at::Tensor& mask,
-                                                           const at::Tensor& weight_v, const at::Tensor& weight_t,
+                                                           const at::Tensor& weight_v, const OptTensor& weight_t,
                                                            const std::optional<at::Tensor>& bias_v,
                                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32,
                                                            const std::optional<at::Tensor>& residual) {
@@ -53,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cpu(const at::Tensor& x, 
 }
 
 LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
-                                         const at::Tensor& weight_v, const at::Tensor& weight_t, bool /*allow_tf32*/,
+                                         const at::Tensor& weight_v, const OptTensor& weight_t, bool /*allow_tf32*/,
                                          LinearDualOutputMask output_mask, const std::optional<at::Tensor>& routing) {
   const LinearDualGeometry g = check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
   check_routing(routing, g.M, x, "linear_dual", /*forward_routing=*/true);
@@ -65,10 +66,13 @@ LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::T
   const at::Tensor dy = grad_out.reshape({g.M, g.N}).to(ct);
   const at::Tensor m = mask.reshape({g.M});
   const bool want_gx = output_mask[0];
-  const bool want_gw[2] = {output_mask[1], output_mask[2]}, want_gb[2] = {output_mask[3], output_mask[4]};
+  // stacked weights: slot 1 asks for the stacked gradient of both experts
+  const bool want_gw[2] = {output_mask[1], g.stacked ? output_mask[1] : output_mask[2]};
+  const bool want_gb[2] = {output_mask[3], output_mask[4]};
   at::Tensor gx = want_gx ? at::zeros({g.M, g.K}, copt) : at::Tensor();
   at::Tensor gw[2], gb[2];
-  const Expert experts[2] = {{m.nonzero().flatten(), weight_v}, {m.logical_not().nonzero().flatten(), weight_t}};
+  const auto [wv, wt] = expert_weights(weight_v, weight_t);
+  const Expert experts[2] = {{m.nonzero().flatten(), wv}, {m.logical_not().nonzero().flatten(), wt}};
   for (int e = 0; e < 2; ++e) {
     const at::Tensor& rows = experts[e].rows;
     if (rows.numel() == 0) {
@@ -82,7 +86,11 @@ LinearDualGrads linear_dual_backward_cpu(const at::Tensor& grad_out, const at::T
     if (want_gb[e]) gb[e] = dye.sum(0);
   }
   const auto cast = [dt](const at::Tensor& t) { return t.defined() ? t.to(dt) : t; };
-  return {want_gx ? gx.to(dt).reshape(x.sizes()) : gx, cast(gw[0]), cast(gw[1]), cast(gb[0]), cast(gb[1])};
+  at::Tensor gx_out = want_gx ? gx.to(dt).reshape(x.sizes()) : gx;
+  if (g.stacked)  // [2, N, K]: text [0], vision [1]
+    return {gx_out, want_gw[0] ? at::stack({gw[1], gw[0]}).to(dt) : at::Tensor(), at::Tensor(), cast(gb[0]),
+            cast(gb[1])};
+  return {gx_out, cast(gw[0]), cast(gw[1]), cast(gb[0]), cast(gb[1])};
 }
 
 }  // namespace fused

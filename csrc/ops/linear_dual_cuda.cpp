@@ -29,14 +29,14 @@ at::Tensor vec(const at::Tensor& b) { return b.is_contiguous() ? b : b.contiguou
 // The forward, on `given` (a routing of mask: check_routing) or routing mask itself; `return_routing`: also returns
 // the routing it used (written in full, for linear_dual_backward).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
-                                           const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
+                                           const OptTensor& weight_t, const std::optional<at::Tensor>& bias_v,
                                            const std::optional<at::Tensor>& bias_t, bool allow_tf32,
                                            const std::optional<at::Tensor>& given,
                                            const std::optional<at::Tensor>& residual, bool return_routing) {
   check_cuda(x, "x", kOp);
   check_cuda(mask, "mask", kOp);
   check_cuda(weight_v, "weight_v", kOp);
-  check_cuda(weight_t, "weight_t", kOp);
+  if (present(weight_t)) check_cuda(*weight_t, "weight_t", kOp);
   if (present(bias_v)) check_cuda(*bias_v, "bias_v", kOp);
   if (present(bias_t)) check_cuda(*bias_t, "bias_t", kOp);
   if (present(residual)) check_cuda(*residual, "residual", kOp);
@@ -57,8 +57,9 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
   if (present(residual) && geo.N > 0) res = as_rows(*residual).contiguous();
   // A decode step's few tokens need no routing: the decode GEMM reads each row's expert from the mask, where the table
   // serves M (linear_dual_forward returns a routing for the backward, so it routes and takes the GEMMs below).
+  const auto [wv, wt] = expert_weights(weight_v, weight_t);  // a stacked weight_v: views of its two halves
   if (!return_routing && geo.N > 0 &&
-      routed::decode_linear(g, as_rows(x), mask.reshape({geo.M}).contiguous(), weight_t, weight_v, b0, b1, out, res))
+      routed::decode_linear(g, as_rows(x), mask.reshape({geo.M}).contiguous(), wt, wv, b0, b1, out, res))
     return {out.view(with_last(x, geo.N)), at::Tensor()};
 
   // A routing given: the gather GEMM reads it and routes nothing (2% of the forward at 4096 tokens).
@@ -67,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
     routed::ensure_routed(r);
     return {out.view(with_last(x, geo.N)), r.buffer};
   }
-  routed::Experts w(weight_t, weight_v, /*single=*/false);
+  routed::Experts w(wt, wv, /*single=*/false);
   // K = 0 takes the pointer kernel (no TMA descriptor of an empty dimension): out = bias_e (or 0).
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);
   routed::linear(g, r, routed::tokens(as_rows(x)), w, b0, b1, routed::tokens(out), /*w_transposed=*/false, tma, res);
@@ -77,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
 }  // namespace
 
 at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& weight_v,
-                            const at::Tensor& weight_t, const std::optional<at::Tensor>& bias_v,
+                            const OptTensor& weight_t, const std::optional<at::Tensor>& bias_v,
                             const std::optional<at::Tensor>& bias_t, bool allow_tf32,
                             const std::optional<at::Tensor>& routing, const std::optional<at::Tensor>& residual) {
   return std::get<0>(
@@ -85,7 +86,7 @@ at::Tensor linear_dual_cuda(const at::Tensor& x, const at::Tensor& mask, const a
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cuda(const at::Tensor& x, const at::Tensor& mask,
-                                                            const at::Tensor& weight_v, const at::Tensor& weight_t,
+                                                            const at::Tensor& weight_v, const OptTensor& weight_t,
                                                             const std::optional<at::Tensor>& bias_v,
                                                             const std::optional<at::Tensor>& bias_t, bool allow_tf32,
                                                             const std::optional<at::Tensor>& residual) {
@@ -94,13 +95,13 @@ std::tuple<at::Tensor, at::Tensor> linear_dual_forward_cuda(const at::Tensor& x,
 }
 
 LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mask,
-                                          const at::Tensor& weight_v, const at::Tensor& weight_t, bool allow_tf32,
+                                          const at::Tensor& weight_v, const OptTensor& weight_t, bool allow_tf32,
                                           LinearDualOutputMask output_mask, const std::optional<at::Tensor>& routing) {
   check_cuda(grad_out, "grad_out", kOp);
   check_cuda(x, "x", kOp);
   check_cuda(mask, "mask", kOp);
   check_cuda(weight_v, "weight_v", kOp);
-  check_cuda(weight_t, "weight_t", kOp);
+  if (present(weight_t)) check_cuda(*weight_t, "weight_t", kOp);
   const LinearDualGeometry geo = check_linear_dual_backward_inputs(grad_out, x, mask, weight_v, weight_t);
   check_routing(routing, geo.M, x, kOp, /*forward_routing=*/true);
   c10::cuda::CUDAGuard guard(x.device());
@@ -109,9 +110,18 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   // stay undefined. Expert 0 = text, 1 = vision, as the routing numbers them.
   const auto maybe = [&](int i, at::IntArrayRef size) { return output_mask[i] ? at::empty(size, opt) : at::Tensor(); };
   at::Tensor gx = maybe(0, x.sizes());
+  // stacked weights: one [2, N, K] gradient (slot 1), each expert's written into its half
+  const at::Tensor gw_stacked = geo.stacked ? maybe(1, {2, geo.N, geo.K}) : at::Tensor();
   at::Tensor gw[2] = {maybe(2, {geo.N, geo.K}), maybe(1, {geo.N, geo.K})};
+  if (geo.stacked) {
+    gw[0] = gw_stacked.defined() ? gw_stacked.select(0, 0) : at::Tensor();
+    gw[1] = gw_stacked.defined() ? gw_stacked.select(0, 1) : at::Tensor();
+  }
   at::Tensor gb[2] = {maybe(4, {geo.N}), maybe(3, {geo.N})};
-  const auto result = [&]() -> LinearDualGrads { return {gx, gw[1], gw[0], gb[1], gb[0]}; };
+  const auto result = [&]() -> LinearDualGrads {
+    if (geo.stacked) return {gx, gw_stacked, at::Tensor(), gb[1], gb[0]};
+    return {gx, gw[1], gw[0], gb[1], gb[0]};
+  };
   const bool want_gx = gx.defined(), any_gw = gw[0].defined() || gw[1].defined();
   const bool any_gb = gb[0].defined() || gb[1].defined();
   if (geo.M == 0 || geo.N == 0) {  // no rows, or no output features: every gradient is zero (or empty)
@@ -132,7 +142,8 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
   // The forward's routing (what autograd passes) or route()'s when given: no routing launch here.
   const routed::Routing r = present(routing) ? routed::routing_of(*routing, geo.M) : routed::route(mask);
-  routed::Experts w(weight_t, weight_v, /*single=*/false);
+  const auto [wv, wt] = expert_weights(weight_v, weight_t);
+  routed::Experts w(wt, wv, /*single=*/false);
   const bool tma = g.tma_usable({geo.K, geo.N}, /*swiglu=*/false);
   // TMA: dy gathered once into an expert-ordered buffer that the grad-input and grad-weight GEMMs share, x only
   // where a weight gradient is asked for; the bias gradients are summed by dy's gather. Pointer path: token order,

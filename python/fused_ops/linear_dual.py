@@ -30,7 +30,7 @@ def linear_dual(
     x: torch.Tensor,
     mask: torch.Tensor,
     weight_v: torch.Tensor,
-    weight_t: torch.Tensor,
+    weight_t: Optional[torch.Tensor],
     bias_v: Optional[torch.Tensor] = None,
     bias_t: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
@@ -49,10 +49,11 @@ def linear_dual(
         x: `[..., K]` (any leading shape, `M` = its product, may be 0), any strides; float32/float16/bfloat16
             (float64 on CPU).
         mask: bool `[...]`, x's leading shape: True = vision token (weight_v, bias_v), False = text token.
-        weight_v: vision expert weight `[N, K]` (nn.Linear layout), x's dtype and device.
-        weight_t: text expert weight `[N, K]`. When the two weights are consecutive slices of one `[2, N, K]`
-            tensor (`w[1]`, `w[0]`, as `DualLinear` stores them), the CUDA kernel reads both through a single
-            descriptor with no copy.
+        weight_v: vision expert weight `[N, K]` (nn.Linear layout), x's dtype and device; or both experts stacked,
+            `[2, N, K]` (text `[0]`, vision `[1]`, as `DualLinear` stores them) with `weight_t=None`: its gradient
+            is then one `[2, N, K]` tensor too (no stacking copy in autograd).
+        weight_t: text expert weight `[N, K]`, or None with a stacked `weight_v`. Either way, the CUDA kernels read
+            each expert's weight where it lies (two tensors in either memory order, views of one), with no copy.
         bias_v: optional `[N]` vision bias.
         bias_t: optional `[N]` text bias. Either bias may be given without the other (the missing one is zero).
         allow_tf32: float32 inputs only: let the CUDA kernels use TF32 tensor cores (about 1e-3 relative error).
@@ -175,9 +176,9 @@ class DualLinear(nn.Module):
         """x: `[..., in_features]`; mask: bool `[...]` (True = vision token); routing: `fused_ops.route(mask)` or
         None; residual: `[..., out_features]` added to the output in the GEMM's epilogue, or None (see
         `linear_dual`). Returns `[..., out_features]`."""
-        w_t, w_v = self.weight.unbind(0)  # views at offsets 0 and N*K of one storage
+        # the stacked weight whole: its gradient comes back as one [2, N, K] tensor (no stack in autograd)
         b_t, b_v = (None, None) if self.bias is None else self.bias.unbind(0)
-        return torch.ops.fused.linear_dual(x, mask, w_v, w_t, b_v, b_t, self.allow_tf32, routing, residual)
+        return torch.ops.fused.linear_dual(x, mask, self.weight, None, b_v, b_t, self.allow_tf32, routing, residual)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

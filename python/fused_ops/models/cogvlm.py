@@ -4,10 +4,10 @@ One decoder layer (CogVLM2's, with `vision_expert=True`):
 
     r   = fused_ops.route(mask)                        once per forward pass, shared by every routed op of every layer
     a   = RMSNorm(x)                                   F.rms_norm
-    qkv = linear_dual(a, mask, W_qkv[vision], W_qkv[text], b_qkv_vision, None, routing=r)     [b, s, (hq + 2 hk) d]
+    qkv = linear_dual(a, mask, W_qkv [2, N, H], None, b_qkv_vision, None, routing=r)   [b, s, (hq + 2 hk) d]
     q, k = rope_fwd_qk(view q, view k of qkv, freqs, "bshd")    one launch, reads the strided views in place
     o   = SDPA(q, k, v, causal, GQA)                   keys/values through the KV cache when decoding
-    h   = linear_dual(o, mask, W_dense[vision], W_dense[text], routing=r, residual=x)   x + dense(o), one kernel
+    h   = linear_dual(o, mask, W_dense [2, H, H], None, routing=r, residual=x)   x + dense(o), one kernel
     y   = ffn(RMSNorm(h), mask, vision expert, text expert, routing=r, residual=h)   DualExpertSwiGLU
 
 A single-expert model (`vision_expert=False`, a Llama layer) has nn.Linear QKV and dense projections and a
@@ -81,8 +81,9 @@ class FusedAttention(nn.Module):
         c = self.config
         b, s, _ = x.shape
         if c.vision_expert:
-            w_t, w_v = self.query_key_value.weight.unbind(0)  # views of one [2, N, K] tensor: no stacking copy
-            qkv = torch.ops.fused.linear_dual(x, mask, w_v, w_t, self.vision_qkv_bias, None, False, routing)
+            # the stacked [2, N, K] weight whole (its gradient comes back stacked); the vision expert's bias only
+            qkv = torch.ops.fused.linear_dual(x, mask, self.query_key_value.weight, None, self.vision_qkv_bias, None,
+                                              False, routing)
         else:
             qkv = self.query_key_value(x)
         q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)  # strided views, no copy
