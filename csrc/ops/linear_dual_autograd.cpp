@@ -63,8 +63,9 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
                                               has_wt && ctx->needs_input_grad(3),
                                               has_bv && ctx->needs_input_grad(bias_v_edge),
                                               has_bt && ctx->needs_input_grad(bias_t_edge)};
-    auto [gx, gw_v, gw_t, gb_v, gb_t] = op.call(grads[0], s[0], s[1], s[2], s[3].defined() ? std::optional<Tensor>(s[3]) : std::nullopt,
-                                                ctx->saved_data["allow_tf32"].toBool(), want, s[4]);
+    const std::optional<Tensor> weight_t = has_wt ? std::optional<Tensor>(s[3]) : std::nullopt;
+    auto [gx, gw_v, gw_t, gb_v, gb_t] =
+        op.call(grads[0], s[0], s[1], s[2], weight_t, ctx->saved_data["allow_tf32"].toBool(), want, s[4]);
     // The residual is added to the output: its gradient is the output's.
     const int64_t residual_edge = ctx->saved_data["residual_edge"].toInt();
     const Tensor g_res = residual_edge >= 0 && ctx->needs_input_grad(residual_edge) ? grads[0] : Tensor();

@@ -110,12 +110,15 @@ LinearDualGrads linear_dual_backward_cuda(const at::Tensor& grad_out, const at::
   // stay undefined. Expert 0 = text, 1 = vision, as the routing numbers them.
   const auto maybe = [&](int i, at::IntArrayRef size) { return output_mask[i] ? at::empty(size, opt) : at::Tensor(); };
   at::Tensor gx = maybe(0, x.sizes());
-  // stacked weights: one [2, N, K] gradient (slot 1), each expert's written into its half
+  // Stacked weights: one [2, N, K] gradient (slot 1; slot 2 unused), each expert's written into its half.
   const at::Tensor gw_stacked = geo.stacked ? maybe(1, {2, geo.N, geo.K}) : at::Tensor();
-  at::Tensor gw[2] = {maybe(2, {geo.N, geo.K}), maybe(1, {geo.N, geo.K})};
-  if (geo.stacked) {
-    gw[0] = gw_stacked.defined() ? gw_stacked.select(0, 0) : at::Tensor();
-    gw[1] = gw_stacked.defined() ? gw_stacked.select(0, 1) : at::Tensor();
+  at::Tensor gw[2];
+  if (!geo.stacked) {
+    gw[0] = maybe(2, {geo.N, geo.K});
+    gw[1] = maybe(1, {geo.N, geo.K});
+  } else if (gw_stacked.defined()) {
+    gw[0] = gw_stacked.select(0, 0);
+    gw[1] = gw_stacked.select(0, 1);
   }
   at::Tensor gb[2] = {maybe(4, {geo.N}), maybe(3, {geo.N})};
   const auto result = [&]() -> LinearDualGrads {

@@ -248,10 +248,9 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
 // The linear forward of a few tokens (kernels/gemm_decode.py), with no routing: out[i] = x[i] · W_eᵀ (+ bias_e)
 // (+ residual[i]), e the expert of mask[i], for x [M, K] in token order (unit inner stride), mask bool [M] contiguous,
 // w_text / w_vision [N, K] each with its own row stride (no copy in any layout), bias0 / bias1 and residual as for
-// linear, out [M, N]. Where its table
-// has a bucket for M (aot/configs/: a decode step's token counts) it launches the GEMM with its reduction split over
-// the grid (and, for more than one split, the in-order sum of the splits) and returns true; elsewhere it launches
-// nothing and returns false (the caller routes and takes linear).
+// linear, out [M, N]. Where its table has a bucket for M (aot/configs/: a decode step's token counts) it launches the
+// GEMM with its reduction split over the grid (and, for more than one split, the in-order sum of the splits) and
+// returns true; elsewhere it launches nothing and returns false (the caller routes and takes linear).
 bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& w_text,
                    const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1, const at::Tensor& out,
                    const at::Tensor& residual = at::Tensor());
