@@ -81,8 +81,9 @@ class DualLinear(nn.Module):
         bias: `[2, out_features]` (same expert order), or None when `bias=False`.
 
     `weight_v` / `weight_t` / `bias_v` / `bias_t` are views into those parameters (writes through them update the
-    module). Gradients reach `weight` / `bias` as one stacked tensor (the views come from `unbind`, whose backward
-    stacks the two expert gradients in a single copy).
+    module). `forward` passes `weight` whole (`linear_dual`'s stacked form), so its gradient is written as one
+    `[2, N, K]` tensor by the backward op, with no copy; the bias goes as its two `unbind` views (autograd stacks
+    their `[N]` gradients).
 
     Args:
         in_features: K.
