@@ -295,8 +295,10 @@ at::Tensor route_shared(const at::Tensor& mask) {
   const at::Tensor m = flat_mask(mask);
   const int64_t M = m.numel();
   // Every entry defined (-1 where the routing kernels write nothing: seg's unused slots, the aligned perm's unused
-  // tail), so that the op's result is a function of the mask alone, equal to the CPU's: one fill per forward pass.
-  at::Tensor buffer = at::full({shared_routing_size(M)}, -1, m.options().dtype(at::kInt));
+  // tail), so that the op's result is a function of the mask alone, equal to the CPU's: one driver memset per forward
+  // pass (a fill kernel through ATen costs a few us more of host time, and the route op is on every decode step).
+  at::Tensor buffer = at::empty({shared_routing_size(M)}, m.options().dtype(at::kInt));
+  fill32_on_current_stream(buffer, 0xFFFFFFFFu);
   ensure_routed(route_into(m, /*aligned=*/true, buffer.narrow(0, 0, routing_buffer_size(M))));
   ensure_routed(route_into(m, /*aligned=*/false, buffer.narrow(0, unaligned_section(M), unaligned_routing_size(M))));
   return buffer;

@@ -16,6 +16,13 @@ void launch_on_current_stream(const char* kernel, const std::string& key, const 
   launch(kernel, key, args, grid, reinterpret_cast<CUstream>(stream), device, scratch);
 }
 
+void fill32_on_current_stream(const at::Tensor& t, uint32_t value) {
+  TORCH_INTERNAL_ASSERT(t.is_cuda() && t.is_contiguous() && t.element_size() == 4);
+  const int device = t.get_device();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  memset32(t.data_ptr(), value, static_cast<size_t>(t.numel()), reinterpret_cast<CUstream>(stream), device);
+}
+
 const char* variant_dtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return "fp32";

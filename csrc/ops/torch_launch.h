@@ -13,6 +13,10 @@ namespace fused {
 void launch_on_current_stream(const char* kernel, const std::string& key, const KernelArgs& args, Grid grid,
                               const at::Tensor& like);
 
+// Sets every element of the 4-byte-element tensor `t` (contiguous, on a CUDA device) to the bits of `value`, on the
+// current stream of its device (one driver memset; the caller holds a device guard).
+void fill32_on_current_stream(const at::Tensor& t, uint32_t value);
+
 // The dtype's name in the variant keys ("fp32", "fp16", "bf16"; aot/manifest.py DTYPES), nullptr for a dtype no kernel
 // is compiled for.
 const char* variant_dtype(at::ScalarType t);

@@ -45,6 +45,7 @@ void load() {
   FUSED_LOAD(ModuleGetFunction, cuModuleGetFunction)
   FUSED_LOAD(FuncSetAttribute, cuFuncSetAttribute)
   FUSED_LOAD(LaunchKernelEx, cuLaunchKernelEx)
+  FUSED_LOAD(MemsetD32Async, cuMemsetD32Async)
   FUSED_LOAD(TensorMapEncodeTiled, cuTensorMapEncodeTiled)
   FUSED_LOAD(StreamIsCapturing, cuStreamIsCapturing)
 #undef FUSED_LOAD

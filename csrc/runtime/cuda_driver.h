@@ -29,6 +29,7 @@ struct DriverApi {
   decltype(&::cuModuleGetFunction) ModuleGetFunction;
   decltype(&::cuFuncSetAttribute) FuncSetAttribute;
   decltype(&::cuLaunchKernelEx) LaunchKernelEx;
+  decltype(&::cuMemsetD32Async) MemsetD32Async;
   decltype(&::cuTensorMapEncodeTiled) TensorMapEncodeTiled;
   decltype(&::cuStreamIsCapturing) StreamIsCapturing;
 };

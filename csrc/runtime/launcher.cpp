@@ -256,6 +256,13 @@ bool set_programmatic_launch(bool enabled) { return g_pdl.exchange(enabled); }
 NoProgrammaticLaunch::NoProgrammaticLaunch() : prev_(t_no_pdl) { t_no_pdl = true; }
 NoProgrammaticLaunch::~NoProgrammaticLaunch() { t_no_pdl = prev_; }
 
+void memset32(void* ptr, uint32_t value, size_t count, CUstream stream, int device) {
+  if (count == 0) return;
+  const DriverApi& api = driver();
+  const LaunchContext ctx(api, device);
+  check(api.MemsetD32Async(reinterpret_cast<CUdeviceptr>(ptr), value, count, stream), "cuMemsetD32Async");
+}
+
 bool stream_is_capturing(CUstream stream, int device) {
   const DriverApi& api = driver();
   const LaunchContext ctx(api, device);  // the NULL handle resolves in the current context: the device's
