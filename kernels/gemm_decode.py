@@ -79,9 +79,9 @@ def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, res_ptr, out_pt
                          HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MAX_SPLITS: tl.constexpr,
                          BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """out[i, n] = the sum of ws[s, i, n] over the n_split <= MAX_SPLITS splits (+ bias_{e(i)}[n]) (+ residual[i, n],
-    res_ptr of out's row stride); grid
-    (M, cdiv(N, BLOCK_N)). All splits are loaded at once (one memory latency, not n_split in a row) and summed by one
-    tl.sum, whose order is fixed by the compiled kernel: the same bits on every run."""
+    res_ptr of out's row stride); grid (M, cdiv(N, BLOCK_N)). All splits are loaded at once (one memory latency, not
+    n_split in a row) and summed by one tl.sum, whose order is fixed by the compiled kernel: the same bits on every
+    run."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     i = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
