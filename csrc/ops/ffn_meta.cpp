@@ -106,10 +106,7 @@ void check_gate_up(const at::Tensor& gate_up, const at::Tensor& x, int64_t I, co
 }
 
 void check_residual_symint(const std::optional<at::Tensor>& residual, const at::Tensor& x) {
-  if (!present(residual)) return;
-  check_like(*residual, "residual", x, "x", kOp);
-  TORCH_SYM_CHECK(sym_equal(residual->sym_sizes(), x.sym_sizes()), kOp, ": residual must have x's shape ",
-                  x.sym_sizes(), " (the block's input that the output is added to), got ", residual->sym_sizes());
+  check_residual_shape(residual, x, x.sym_sizes(), "x's shape", kOp);
 }
 
 void check_residual(const std::optional<at::Tensor>& residual, const at::Tensor& x) {

@@ -27,13 +27,15 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
                         const std::optional<Tensor>& bias_t, bool allow_tf32, const std::optional<Tensor>& given,
                         const std::optional<Tensor>& residual) {
     ctx->saved_data["allow_tf32"] = allow_tf32;
-    // The residual's index among the inputs autograd tracks (needs_input_grad counts the tensors given, not None)
-    const int64_t given_tensors = 3 + fused::present(weight_t) + fused::present(bias_v) + fused::present(bias_t) +
-                                  fused::present(given);
-    ctx->saved_data["residual_edge"] = fused::present(residual) ? given_tensors : int64_t{-1};
-    ctx->saved_data["has_weight_t"] = fused::present(weight_t);
-    ctx->saved_data["has_bias_v"] = fused::present(bias_v);
-    ctx->saved_data["has_bias_t"] = fused::present(bias_t);
+    // Each optional input's index among the inputs autograd tracks (needs_input_grad counts the tensors given, in
+    // order: x, mask, weight_v, then whichever of weight_t, bias_v, bias_t, routing, residual are there), -1 if absent.
+    int64_t next = 3;
+    const auto edge = [&](const std::optional<Tensor>& t) { return fused::present(t) ? next++ : int64_t{-1}; };
+    ctx->saved_data["weight_t_edge"] = edge(weight_t);
+    ctx->saved_data["bias_v_edge"] = edge(bias_v);
+    ctx->saved_data["bias_t_edge"] = edge(bias_t);
+    edge(given);
+    ctx->saved_data["residual_edge"] = edge(residual);
     at::AutoDispatchBelowADInplaceOrView guard;
     if (fused::present(given)) {
       ctx->save_for_backward({x, mask, weight_v, weight_t.value_or(Tensor()), *given});
@@ -54,21 +56,18 @@ struct LinearDualFunction : public torch::autograd::Function<LinearDualFunction>
                          .typed<fused::LinearDualBackwardOp>();
     const auto s = ctx->get_saved_variables();
     // Only what autograd asks for is computed: no grad_x for an input that needs none, no weight gradient of a
-    // frozen expert, no bias gradient of a missing or frozen bias. needs_input_grad counts the tensor inputs given:
-    // x, mask, weight_v, weight_t (absent: both experts stacked in weight_v), then whichever biases are there.
-    const bool has_wt = ctx->saved_data["has_weight_t"].toBool();
-    const bool has_bv = ctx->saved_data["has_bias_v"].toBool(), has_bt = ctx->saved_data["has_bias_t"].toBool();
-    const int64_t bias_v_edge = 3 + has_wt, bias_t_edge = bias_v_edge + has_bv;
+    // frozen expert, no bias gradient of a missing or frozen bias (weight_t absent: both experts stacked in weight_v).
+    const auto wanted = [&](const char* name) {
+      const int64_t e = ctx->saved_data[name].toInt();
+      return e >= 0 && ctx->needs_input_grad(e);
+    };
     const fused::LinearDualOutputMask want = {ctx->needs_input_grad(0), ctx->needs_input_grad(2),
-                                              has_wt && ctx->needs_input_grad(3),
-                                              has_bv && ctx->needs_input_grad(bias_v_edge),
-                                              has_bt && ctx->needs_input_grad(bias_t_edge)};
-    const std::optional<Tensor> weight_t = has_wt ? std::optional<Tensor>(s[3]) : std::nullopt;
+                                              wanted("weight_t_edge"), wanted("bias_v_edge"), wanted("bias_t_edge")};
+    const std::optional<Tensor> weight_t = s[3].defined() ? std::optional<Tensor>(s[3]) : std::nullopt;
     auto [gx, gw_v, gw_t, gb_v, gb_t] =
         op.call(grads[0], s[0], s[1], s[2], weight_t, ctx->saved_data["allow_tf32"].toBool(), want, s[4]);
     // The residual is added to the output: its gradient is the output's.
-    const int64_t residual_edge = ctx->saved_data["residual_edge"].toInt();
-    const Tensor g_res = residual_edge >= 0 && ctx->needs_input_grad(residual_edge) ? grads[0] : Tensor();
+    const Tensor g_res = wanted("residual_edge") ? grads[0] : Tensor();
     return {gx, Tensor() /* mask */, gw_v, gw_t, gb_v, gb_t, Tensor() /* allow_tf32 */, Tensor() /* routing */, g_res};
   }
 };

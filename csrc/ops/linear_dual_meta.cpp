@@ -51,13 +51,8 @@ LinearDualSymGeometry check_linear_dual_inputs_symint(const at::Tensor& x, const
     TORCH_SYM_CHECK((*b)->sym_size(0).sym_eq(g.N), kOp, ": ", what, " must have shape [N] = [", g.N, "], got ",
                     (*b)->sym_sizes());
   }
-  if (present(residual)) {
-    check_like(*residual, "residual", x, "x", kOp);
-    const auto want = with_last_symint(x, g.N);
-    TORCH_SYM_CHECK(sym_equal(residual->sym_sizes(), want), kOp,
-                    ": residual must have the output's shape x.shape[:-1] + [N] = ", c10::SymIntArrayRef(want),
-                    " (the block's input that the output is added to), got ", residual->sym_sizes());
-  }
+  if (present(residual))
+    check_residual_shape(residual, x, with_last_symint(x, g.N), "the output's shape x.shape[:-1] + [N] =", kOp);
   return g;
 }
 

@@ -28,6 +28,14 @@ c10::SymBool sym_equal(c10::SymIntArrayRef a, c10::SymIntArrayRef b) {
   return eq;
 }
 
+void check_residual_shape(const std::optional<at::Tensor>& residual, const at::Tensor& x, c10::SymIntArrayRef want,
+                          const char* want_what, const char* op) {
+  if (!present(residual)) return;
+  check_like(*residual, "residual", x, "x", op);
+  TORCH_SYM_CHECK(sym_equal(residual->sym_sizes(), want), op, ": residual must have ", want_what, " ", want,
+                  " (the block's input that the output is added to), got ", residual->sym_sizes());
+}
+
 c10::SymInt leading_rows(const at::Tensor& x) {
   c10::SymInt M = 1;
   for (int64_t i = 0; i + 1 < x.dim(); ++i) M *= x.sym_size(i);

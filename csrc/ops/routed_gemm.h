@@ -28,6 +28,10 @@ void check_routed_dtype(const at::Tensor& t, const char* op, const char* what);
 void check_like(const at::Tensor& t, const char* what, const at::Tensor& ref, const char* ref_what, const char* op);
 // mask: bool with exactly x's leading shape (x.shape[:-1]).
 void check_mask(const at::Tensor& mask, const at::Tensor& x, const char* op);
+// A residual (the block's input that the output is added to), if given: x's dtype and device, and the shape `want`
+// (named by want_what, e.g. "x's shape").
+void check_residual_shape(const std::optional<at::Tensor>& residual, const at::Tensor& x, c10::SymIntArrayRef want,
+                          const char* want_what, const char* op);
 // Whether two shapes are equal, as a condition for TORCH_SYM_CHECK. The shape checks are written on c10::SymInt
 // sizes (sym_sizes) so that the Meta kernels serve tensors of symbolic size (torch.export with Dim, torch.compile
 // with dynamic shapes): a condition that follows from how the sizes were made (x's and mask's leading dimensions of
