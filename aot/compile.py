@@ -140,14 +140,16 @@ def _tma_row(m) -> str:
 
 
 def _config_rows(archs) -> str:
-    """The m buckets of every kernel config table of the built architectures (csrc/runtime/kernel_table.h)."""
+    """The buckets (m range and shape class) of every kernel config table of the built architectures
+    (csrc/runtime/kernel_table.h)."""
     rows = []
     for arch in archs:
         for kernel, fams in manifest.table(arch)["kernels"].items():
             for fam, buckets in fams.items():
                 for e in buckets:  # an "off" bucket: cfg "off", zero sizes (the launchers check cfg first)
                     blk = ", ".join(str(b) for b in e.get("block", [0, 0, 0]))
-                    rows.append(f'{{"{kernel}", "{fam}", {arch}, {e.get("max_m", -1)}, {{{blk}}}, {e.get("group", 1)}, '
+                    rows.append(f'{{"{kernel}", "{fam}", {arch}, {e.get("max_m", -1)}, {e.get("max_n", -1)}, '
+                                f'{e.get("max_k", -1)}, {{{blk}}}, {e.get("group", 1)}, '
                                 f'{e.get("warps", 0)}, {e.get("stages", 0)}, "{config_table.cfg_str(e)}"}}')
     return ("const KernelConfig kConfigs[] = {\n  " + ",\n  ".join(rows) + "};\n"
             f"const size_t kNumConfigs = {len(rows)};\n"

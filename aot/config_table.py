@@ -13,6 +13,14 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
   one family, "all".
 * buckets, in increasing `max_m`; the last has none (no upper bound). `m` is the number of token rows of the call
   (the reduction length for the grad-weight kernels); the runtime takes the first bucket with m <= max_m.
+* shape classes (optional): buckets with `max_n` and / or `max_k` serve only calls whose GEMM has n <= max_n output
+  columns and k <= max_k reduction length (the grad-weight kernels: the weight's rows and columns, nn.Linear's
+  [n, k]). A class is a run of consecutive buckets with the same bounds, increasing in max_m and closed by a bucket
+  without max_m; the list ends with the general class (no max_n / max_k). The runtime takes the first class whose
+  bounds hold, then its bucket for m: the same first-match rule over the whole list. Classes exist where the best
+  config differs with the shape (narrow N leaves a wave of wide tiles mostly empty; short K gives the epilogue more
+  weight), measured by `python -m aot.tune --models matrix --classes ...`. A lookup that does not know the shape
+  (n or k None here, negative in C++) takes the general class.
 * `block`, `group` (GROUP_M / GROUP_N), `warps`, `stages`: the meta-parameters compiled in; `"flatten": true` (the
   persistent TMA GEMMs only, PERSISTENT below) flattens the loop over tiles into the K loop, so the compiler's
   pipeline runs across tiles and the next tile's loads overlap this one's epilogue. `"split": true` (the linear TMA
@@ -72,7 +80,9 @@ PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_li
 # SPLIT_CONFIG where the table's "split" says so (constexpr SPLIT_TAIL), ALWAYS_SPLIT in every config
 SPLIT_CONFIG = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"}
 ALWAYS_SPLIT = {"routed_swiglu_pair_tma_kernel"}
-_ENTRY_FIELDS = {"max_m", "block", "group", "warps", "stages", "flatten", "split", "why", "off"}
+_ENTRY_FIELDS = {"max_m", "max_n", "max_k", "block", "group", "warps", "stages", "flatten", "split", "why", "off"}
+CLASS_FIELDS = ("max_n", "max_k")  # the shape-class bounds, in the order a class is named
+ORDER = ("max_n", "max_k", "max_m", "off", "block", "group", "warps", "stages", "flatten", "split", "why")
 
 
 def family(dtype: str, prec: str) -> str:
@@ -117,7 +127,6 @@ def validate(table: Dict, where: str = "config table") -> Dict:
                 fail(f"{name}: unknown family {fam!r} (expected one of {allowed})")
             if not isinstance(buckets, list) or not buckets:
                 fail(f"{name}/{fam}: needs a non-empty list of buckets")
-            last = 0
             for i, e in enumerate(buckets):
                 at = f"{name}/{fam}[{i}]"
                 extra = set(e) - _ENTRY_FIELDS
@@ -127,22 +136,66 @@ def validate(table: Dict, where: str = "config table") -> Dict:
                     if name not in OPTIONAL or e["off"] is not True:
                         fail(f"{at}: only an alternative-design kernel ({', '.join(sorted(OPTIONAL))}) may have "
                              "\"off\": true")
-                    if set(e) - {"max_m", "off", "why"}:
-                        fail(f"{at}: an \"off\" bucket has only max_m (and why)")
+                    if set(e) - {"max_m", "off", "why", *CLASS_FIELDS}:
+                        fail(f"{at}: an \"off\" bucket has only max_m, its class's bounds (and why)")
                 else:
                     _check_config(e, name, row_idx, fail, at)
-                if i + 1 < len(buckets):
+                for f in CLASS_FIELDS:
+                    if f in e and not (isinstance(e[f], int) and e[f] > 0):
+                        fail(f"{at}: '{f}' must be a positive integer, got {e[f]!r}")
+                    if f in e and name == "rope_kernel":
+                        fail(f"{at}: rope_kernel has no shape classes ('{f}')")
+                last_of_class = i + 1 == len(buckets) or shape_class(buckets[i + 1]) != shape_class(e)
+                if not last_of_class:
                     m = e.get("max_m")
-                    if not (isinstance(m, int) and m > last):
-                        fail(f"{at}: every bucket but the last needs an integer 'max_m' above the previous one")
-                    last = m
+                    prev = buckets[i - 1].get("max_m", 0) if i and shape_class(buckets[i - 1]) == shape_class(e) else 0
+                    if not (isinstance(m, int) and m > prev):
+                        fail(f"{at}: every bucket but the last of its class needs an integer 'max_m' above the "
+                             "previous one")
                 elif "max_m" in e:
-                    fail(f"{at}: the last bucket takes every larger m and must not have 'max_m'")
-                if name in ROWS_IN_ONE_BLOCK and not e.get("off") and not (i + 1 < len(buckets)
+                    fail(f"{at}: the last bucket of a class takes every larger m and must not have 'max_m'")
+                if name in ROWS_IN_ONE_BLOCK and not e.get("off") and not (not last_of_class
                                                                          and e["max_m"] <= e["block"][0]):
                     fail(f"{at}: {name} holds every row in one BLOCK_M: each bucket needs max_m <= block[0], and the "
                          "last bucket must be \"off\"")
+            _check_classes(buckets, f"{name}/{fam}", fail)
     return table
+
+
+def shape_class(e: Dict):
+    """A bucket's class: its (max_n, max_k), None where unbounded."""
+    return tuple(e.get(f) for f in CLASS_FIELDS)
+
+
+def _covers(a, b) -> bool:
+    """Whether class bounds a hold for every shape that class bounds b admit (None: unbounded)."""
+    return all(x is None or (y is not None and y <= x) for x, y in zip(a, b))
+
+
+def _check_classes(buckets: List[Dict], where: str, fail) -> None:
+    """Classes are runs of consecutive buckets; each appears once, the last is the general one, and none is hidden
+    behind an earlier class that admits every shape it does (first match: it would never be taken)."""
+    runs = [shape_class(e) for i, e in enumerate(buckets) if i == 0 or shape_class(buckets[i - 1]) != shape_class(e)]
+    if runs[-1] != (None, None):
+        fail(f"{where}: the last class must be the general one (no max_n / max_k)")
+    for i, c in enumerate(runs):
+        if c in runs[:i]:
+            fail(f"{where}: class {class_str(c)} appears twice: a class's buckets must be consecutive")
+        for earlier in runs[:i]:
+            if _covers(earlier, c):
+                fail(f"{where}: class {class_str(c)} is never taken: {class_str(earlier)} before it admits every shape "
+                     "it does (list narrower classes first)")
+
+
+def class_str(c) -> str:
+    """'n<=2048', 'n<=2048,k<=1024', or 'general'."""
+    parts = [f"{f[-1]}<={v}" for f, v in zip(CLASS_FIELDS, c) if v is not None]
+    return ",".join(parts) or "general"
+
+
+def in_class(e: Dict, n, k) -> bool:
+    """Whether bucket e's class admits a GEMM of n columns and reduction k (None: unknown, the general class only)."""
+    return all(e.get(f) is None or (v is not None and v <= e[f]) for f, v in zip(CLASS_FIELDS, (n, k)))
 
 
 def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
@@ -184,10 +237,11 @@ def buckets(table: Dict, kernel: str, fam: str) -> List[Dict]:
     return table["kernels"].get(kernel, {}).get(fam, [])
 
 
-def pick(table: Dict, kernel: str, fam: str, m: int) -> Dict:
-    """The bucket the runtime takes for m rows (what csrc/runtime/kernel_configs.cpp does)."""
+def pick(table: Dict, kernel: str, fam: str, m: int, n=None, k=None) -> Dict:
+    """The bucket the runtime takes for m rows of a GEMM with n output columns and reduction k (what
+    csrc/runtime/kernel_configs.cpp does; n or k None: the general class)."""
     for e in buckets(table, kernel, fam):
-        if "max_m" not in e or m <= e["max_m"]:
+        if in_class(e, n, k) and ("max_m" not in e or m <= e["max_m"]):
             return e
     raise KeyError(f"sm_{table['arch']} table has no config for {kernel}/{fam}")
 
@@ -202,8 +256,7 @@ def dumps(table: Dict) -> str:
         for fi, (fam, bks) in enumerate(items):
             lines.append(f'   "{fam}": [')
             for bi, e in enumerate(bks):
-                order = [k for k in ("max_m", "off", "block", "group", "warps", "stages", "flatten", "split", "why")
-                         if k in e]
+                order = [k for k in ORDER if k in e]
                 body = ", ".join(f'"{k}": {json.dumps(e[k])}' for k in order)
                 lines.append(f"    {{{body}}}" + ("," if bi + 1 < len(bks) else ""))
             lines.append("   ]" + ("," if fi + 1 < len(items) else ""))

@@ -77,8 +77,10 @@ def route_blocks(kernel: str, family: str, cfg: Dict) -> List[int]:
     from kernels.routing import one_block_sizes
     sizes: Dict[int, None] = {0: None}
     for arch in ARCHS:
-        lo = 0
+        lo, cls = 0, None
         for e in config_table.buckets(table(arch), kernel, family):
+            if config_table.shape_class(e) != cls:  # a shape class's buckets start again from m = 0
+                lo, cls = 0, config_table.shape_class(e)
             hi = e.get("max_m")
             if not e.get("off") and config_table.cfg_str(e) == config_table.cfg_str(cfg):
                 sizes.update(dict.fromkeys(one_block_sizes(lo, hi)))

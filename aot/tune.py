@@ -2,8 +2,8 @@
 JIT (tuning time only; the built package never runs Triton) and writes the winners as the architecture's config table.
 
     python -m aot.tune [--ops linear,swiglu,grad_weight,rope] [--ms 1,16,64,256,1024,4096,16384]
-                       [--models 7b,13b,70b] [--results tune_sm90.jsonl] [--write aot/configs/sm90.json]
-                       [--rep 20] [--budget-s SECONDS]
+                       [--models 7b,13b,70b | matrix] [--classes 'n<=2048;k<=1024'] [--passes 2]
+                       [--results tune_sm90.jsonl] [--write aot/configs/sm90.json] [--rep 20] [--budget-s SECONDS]
 
 then rebuild (`bash scripts/retune.sh` does both). What it does:
 * kernels: on sm_90 the TMA GEMMs (routed_linear_tma / routed_swiglu_tma / routed_grad_weight_tma), elsewhere the
@@ -12,8 +12,9 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
   and swiglu_pair (gate and up in one MMA; against swiglu); --write turns each on per m where it wins. bf16 inputs:
   the "half" family (fp16 runs the same MMA shapes); the fp32 families keep their table entries.
 * shapes: m (token rows; the reduction length for grad-weight) from --ms, times the projections of Llama-style
-  models (--models: hidden / intermediate sizes of Llama-2 7B, 13B and 70B): linear N x K = H x H and H x I, swiglu
-  I x H, grad-weight H x H and I x H. 50% random routing mask (both experts busy); for m <= SINGLE_MAX_M the
+  models (--models: hidden / intermediate sizes of Llama-2 7B, 13B and 70B: linear N x K = H x H and H x I, swiglu
+  I x H, grad-weight H x H and I x H; or `matrix`, the models of benchmarks/bench_matrix.py with their real
+  projections: GQA QKV, attention output, the MLP's down projection, and a tensor-parallel-8 slice of Llama-3-70B). 50% random routing mask (both experts busy); for m <= SINGLE_MAX_M the
   linear and gate/up kernels are also measured with one expert (the Llama MLP's routing: perm = arange, x read in
   place; shapes named "..._single"), and a bucket's winner is the best over both routings.
 * candidates: CANDIDATES below plus every config the current table already uses for the kernel (so "default" is
@@ -21,12 +22,20 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
 * each (shape, candidate) is checked once against a float64 reference on sampled rows / columns before it is timed,
   so a fast wrong config cannot win; timings are medians of CUDA-event times over inputs rotated past the L2
   (benchmarks/common.py).
-* results append to --results (JSON lines), one per (kernel, shape, candidate): a killed or --budget-s-limited run
-  resumes where it stopped. A progress line per measurement shows [done/total] and the elapsed time.
+* results append to --results (JSON lines), one per (kernel, shape, candidate, pass): a killed or --budget-s-limited
+  run resumes where it stopped. A progress line per measurement shows [done/total] and the elapsed time. --passes 2
+  measures everything twice, the second time in reverse config order, and keeps each config's faster pass: the
+  clock of a GPU under sustained GEMM load drifts by several percent over a run, and one pass in one order would
+  favour the configs timed first.
 * --write: per kernel and m, the candidate with the lowest geometric mean of (time / best time) over the shapes of
   that m wins, unless the table's current config is within 2% of it (KEEP_MARGIN: measurement noise does not churn
   the table); neighbouring m with the same winner merge into one bucket (max_m = the largest m measured in it; the
-  last bucket is open-ended). Kernels and families not measured keep their entries. The table is validated.
+  last bucket is open-ended). Buckets of m below the smallest m measured are kept from the table (a re-tune of
+  prefill m leaves the decode buckets as they are). Kernels and families not measured keep their entries. The table
+  is validated.
+* --classes 'n<=2048;k<=1024': shape classes to try (aot/config_table.py). Each shape belongs to the first class
+  that admits it, else to the general class; a class gets its own buckets, before the general ones, only where its
+  best config beats the general winner on its shapes by more than KEEP_MARGIN at some m.
   --offline redoes this from a result file without a GPU. --keep OLD.jsonl adds an earlier run's measurements of the
   m this run does not measure, so a partial re-tune (say --ms 1,4,16,64) rewrites the whole bucket list.
 """
@@ -35,6 +44,8 @@ import datetime
 import json
 import math
 import os
+import re
+import shlex
 import sys
 import time
 
@@ -49,6 +60,9 @@ from benchmarks import common  # noqa: E402
 DEV = "cuda"
 DTYPE = torch.bfloat16  # what the "half" family is measured with
 MODELS = {"7b": (4096, 11008), "13b": (5120, 13824), "70b": (8192, 28672)}  # Llama-2: hidden, intermediate
+# The performance matrix's models (benchmarks/bench_matrix.py MODELS, GQA projections included): --models matrix, or
+# any of their names. Read from the benchmark so that the tuner and the matrix measure the same shapes.
+MATRIX = "matrix"
 SINGLE_MAX_M = 64  # up to this m, linear and swiglu are measured with one expert too (decode of the Llama MLP)
 # the ops a single-expert call runs (the gather-inside designs serve two experts only)
 SINGLE_OPS = ("linear", "swiglu", "swiglu_pair")
@@ -68,7 +82,9 @@ _TMA_LINEAR = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128,
                ((128, 128, 128), 8, 8, 3, True),
                # with the split last round (mid-size m)
                ((128, 256, 64), 8, 8, 3, False, True), ((128, 256, 64), 8, 8, 4, True, True),
-               ((128, 128, 64), 8, 8, 4, False, True), ((128, 128, 64), 8, 4, 4, False, True)] + _TMA_DECODE
+               ((128, 128, 64), 8, 8, 4, False, True), ((128, 128, 64), 8, 4, 4, False, True),
+               # narrow N (a tensor-parallel slice's QKV): more, smaller tiles to fill the SMs
+               ((64, 128, 128), 8, 4, 4), ((128, 64, 128), 8, 4, 4)] + _TMA_DECODE
 _TMA_SWIGLU = [((128, 128, 64), 8, 8, 3), ((128, 128, 64), 8, 8, 4), ((128, 64, 64), 8, 4, 4),
                ((128, 64, 64), 8, 8, 4), ((64, 64, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
                ((64, 32, 64), 8, 4, 6), ((128, 32, 64), 8, 4, 4), ((64, 64, 128), 8, 4, 4),
@@ -229,20 +245,25 @@ class Problem:
                                       GROUP_N=gm, num_warps=w, num_stages=s)
         return dw0, dw1
 
+    def poison_out(self):
+        """The output buffers the kernel writes (self.out), filled with NaN: an unwritten element shows."""
+        if self.op == "grad_weight":
+            self.out = tuple(torch.full((self.n, self.k), float("nan"), device=DEV, dtype=DTYPE) for _ in range(2))
+        else:
+            shape = (self.perm.shape[0], self.n) if self.op.startswith("swiglu") else (self.m, self.n)
+            self.out = torch.full(shape, float("nan"), device=DEV, dtype=DTYPE)
+
     def error(self, cfg):
         """Relative error against float64 on sampled rows (columns for grad-weight), outputs poisoned first."""
         a = self.sets[0]
         m1 = self.mask.double()[:, None]
+        self.poison_out()
         if self.op == "grad_weight":
-            self.out = tuple(torch.full((self.n, self.k), float("nan"), device=DEV, dtype=DTYPE)
-                             for _ in range(2))
             dw0, dw1 = self.run(cfg, a)
             cols = torch.randperm(self.k, device=DEV)[:64]
             dy, x = a[0].double(), a[1][:, cols].double()
             return max(_rel(dw0[:, cols], (dy * (1 - m1)).T @ x), _rel(dw1[:, cols], (dy * m1).T @ x))
         swiglu = self.op.startswith("swiglu")
-        shape = (self.perm.shape[0], self.n) if swiglu else (self.m, self.n)
-        self.out = torch.full(shape, float("nan"), device=DEV, dtype=DTYPE)
         got = self.run(cfg, a)
         rows = torch.randperm(self.m, device=DEV)[:64]
         x = a[0][rows].double()
@@ -258,6 +279,8 @@ class Problem:
         return _rel(got[where[rows]], ref)
 
     def time(self, cfg, rep):
+        if not hasattr(self, "out"):  # a later pass times without checking first
+            self.poison_out()
         return common.bench(lambda *a: self.run(cfg, a), args=self.sets, warmup=5, rep=rep)
 
     def gather_ms(self, rep):
@@ -333,6 +356,38 @@ class RopeProblem:
 
 
 # ------------------------------------------------------------------------------------------------------ the search
+def matrix_models():
+    """name -> the matrix model's sizes (benchmarks/bench_matrix.py MODELS)."""
+    from benchmarks.bench_matrix import MODELS as M
+    return M
+
+
+def model_names(arg):
+    """--models: Llama-2 sizes (MODELS) and matrix models by name; "matrix" stands for every matrix model."""
+    names = []
+    for n in (x for x in arg.split(",") if x):
+        names += list(matrix_models()) if n == MATRIX else [n]
+    unknown = sorted(set(names) - set(MODELS) - set(matrix_models()))
+    if unknown:
+        raise SystemExit(f"aot.tune: unknown --models {unknown} ({', '.join(MODELS)}, {MATRIX}, "
+                         f"{', '.join(matrix_models())})")
+    return list(dict.fromkeys(names))
+
+
+def projections(op, name):
+    """(n, k) of the GEMMs `op` runs in model `name`: n output columns, k the reduction length."""
+    if name in MODELS:  # Llama-2: H x H stands for the attention projections, H x I for the MLP's
+        H, I = MODELS[name]
+        return {"linear": [(H, H), (H, I)], "linear_gather": [(H, H), (H, I)], "swiglu": [(I, H)],
+                "swiglu_gather": [(I, H)], "swiglu_pair": [(I, H)], "grad_weight": [(H, H), (I, H)]}[op]
+    c = matrix_models()[name]
+    H, I, qkv, o = c["H"], c["I"], (c["hq"] + 2 * c["hk"]) * c["d"], c["hq"] * c["d"]
+    attn = [(qkv, H), (H, o)]  # QKV, the attention output (linear_dual's forward: the gather-inside design)
+    return {"linear": attn + [(H, I)],  # + the MLP's down projection (from an expert-ordered h)
+            "linear_gather": attn, "swiglu": [(I, H)], "swiglu_gather": [(I, H)], "swiglu_pair": [(I, H)],
+            "grad_weight": attn + [(I, H), (H, I)]}[op]
+
+
 def shapes(op, ms, models):
     """(m, n, k, routing) per measurement of op; routing "dual" (50% random mask) or "single" (one expert)."""
     if op == "rope":
@@ -340,9 +395,7 @@ def shapes(op, ms, models):
     out = []
     for m in ms:
         for name in models:
-            H, I = MODELS[name]
-            nk = {"linear": [(H, H), (H, I)], "linear_gather": [(H, H), (H, I)], "swiglu": [(I, H)],
-                  "swiglu_gather": [(I, H)], "swiglu_pair": [(I, H)], "grad_weight": [(H, H), (I, H)]}[op]
+            nk = projections(op, name)
             out += [(m, n, k, "dual") for n, k in nk]
             if op in SINGLE_OPS and m <= SINGLE_MAX_M:
                 out += [(m, n, k, "single") for n, k in nk]
@@ -367,68 +420,119 @@ def candidates(kernel, cands, table):
     return fam, out
 
 
-def load_results(path, device):
-    done = {}
+def fits_m(kernel, cfg, m):
+    """Whether config cfg is worth measuring at m: row tiles under 64 rows are decode tiles (the A tile nearly all
+    padding at small m), never a prefill winner, so they are measured at m <= 64 only. The grad-weight kernels' block
+    is BN x BK x BR (no row tile): always."""
+    rows = KERNEL_ROWS_IDX.get(kernel)
+    return rows is None or m is None or m <= 64 or cfg["block"][rows] >= 64
+
+
+# kernel -> index of its row tile in block (the forward GEMMs)
+KERNEL_ROWS_IDX = {k: 0 for k in ("routed_linear_tma_kernel", "routed_swiglu_tma_kernel",
+                                  "routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel",
+                                  "routed_swiglu_pair_tma_kernel", "routed_linear_kernel", "routed_swiglu_kernel")}
+
+
+def _raw_results(path, device):
+    """(kernel, shape, config, pass) -> the record, for this device's lines of a result file."""
+    raw = {}
     if path and os.path.exists(path):
         with open(path) as f:
             for line in f:
                 if line.strip():
                     r = json.loads(line)
                     if r.get("device") == device:
-                        done[(r["kernel"], r["shape"], r["config"])] = r
+                        raw[(r["kernel"], r["shape"], r["config"], r.get("pass", 1))] = r
+    return raw
+
+
+def _aggregate(raw):
+    """(kernel, shape, config) -> one record: the fastest pass's time (the clock drifts with the GPU's temperature
+    over a run; the lowest median is the config's own speed), or ms None where any pass failed."""
+    done = {}
+    for (k, sstr, c, _), r in sorted(raw.items(), key=lambda kv: kv[0][3]):
+        key = (k, sstr, c)
+        if key not in done:
+            done[key] = dict(r)
+        elif done[key].get("ms") is not None:
+            done[key]["ms"] = None if r.get("ms") is None else min(done[key]["ms"], r["ms"])
     return done
 
 
-def search(ops, ms, models, results_path, rep, budget_s, table, cc):
+def load_results(path, device):
+    return _aggregate(_raw_results(path, device))
+
+
+def search(ops, ms, models, results_path, rep, budget_s, table, cc, passes=1):
+    """Measures every (shape, candidate) of the plan `passes` times, each pass after the last, the candidates of
+    a shape in reverse order on even passes (a drift of the clock over a run does not favour the configs measured
+    first); only the first pass checks results against float64. Returns the aggregated results."""
     device = torch.cuda.get_device_name(0)
-    done = load_results(results_path, device)
+    raw = _raw_results(results_path, device)
     plan = []
     kmap = kernels_for(cc)
     for op in ops:
         kernel, cands = kmap[op]
         fam, cfgs = candidates(kernel, cands, table)
         for shape in shapes(op, ms, models):
-            plan.append((op, kernel, fam, shape, cfgs))
-    total = sum(len(c) + 1 + (op in GATHER_DESIGNS) for op, *_, c in plan)
-    n_done = sum(1 for op, kernel, fam, shape, cfgs in plan for c in list(cfgs) + list(REFERENCES)
-                 if (kernel, shape_str(op, shape), c) in done)
-    print(f"[tune] {device} (sm_{cc}): {total} measurements, {n_done} already in {results_path}", flush=True)
+            m = None if op == "rope" else shape[0]
+            plan.append((op, kernel, fam, shape, {c: e for c, e in cfgs.items() if fits_m(kernel, e, m)}))
+    per_pass = sum(len(c) + 1 + (op in GATHER_DESIGNS) for op, *_, c in plan)
+    total = per_pass * passes
+    n_done = sum(1 for p in range(1, passes + 1) for op, kernel, fam, shape, cfgs in plan
+                 for c in list(cfgs) + list(REFERENCES) if (kernel, shape_str(op, shape), c, p) in raw)
+    print(f"[tune] {device} (sm_{cc}): {total} measurements ({passes} pass(es)), {n_done} already in {results_path}",
+          flush=True)
     t0 = time.time()
     out = open(results_path, "a") if results_path else None
-    for op, kernel, fam, shape, cfgs in plan:
-        sstr = shape_str(op, shape)
-        refs = ["cuBLAS"] + (["gather copy"] if op in GATHER_DESIGNS else [])
-        todo = [c for c in list(cfgs) + refs if (kernel, sstr, c) not in done]
-        if not todo:
-            continue
-        if budget_s and time.time() - t0 > budget_s:
-            print(f"[tune] time budget ({budget_s:.0f} s) spent: stopping; rerun to resume", flush=True)
+    stop = False
+    for p in range(1, passes + 1):
+        for op, kernel, fam, shape, cfgs in plan:
+            sstr = shape_str(op, shape)
+            refs = ["cuBLAS"] + (["gather copy"] if op in GATHER_DESIGNS else [])
+            order = list(cfgs) + refs
+            if p % 2 == 0:
+                order.reverse()
+            # a later pass times only what the first found correct
+            todo = [c for c in order if (kernel, sstr, c, p) not in raw
+                    and (p == 1 or raw.get((kernel, sstr, c, 1), {}).get("ms") is not None)]
+            if not todo:
+                continue
+            if budget_s and time.time() - t0 > budget_s:
+                print(f"[tune] time budget ({budget_s:.0f} s) spent: stopping; rerun to resume", flush=True)
+                stop = True
+                break
+            prob = RopeProblem(shape) if op == "rope" else Problem(op, kernel, *shape)
+            for c in todo:
+                rec = {"device": device, "cc": cc, "triton": triton_version(), "kernel": kernel, "family": fam,
+                       "op": op, "shape": sstr, "m": prob.m, "n": prob.n, "k": prob.k, "config": c, "pass": p}
+                try:
+                    if c in REFERENCES:
+                        rec.update(ms=(prob.cublas_ms if c == "cuBLAS" else prob.gather_ms)(rep), err=0.0)
+                    elif p > 1:
+                        rec.update(err=raw[(kernel, sstr, c, 1)].get("err"), ms=prob.time(cfgs[c], rep))
+                    else:
+                        err = prob.error(cfgs[c])
+                        ok = err < (2e-2 if op != "rope" else 1e-2)
+                        rec.update(err=err, ms=prob.time(cfgs[c], rep) if ok else None)
+                except Exception as e:  # noqa: BLE001  (out of shared memory / registers: not a candidate here)
+                    rec.update(err=None, ms=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+                raw[(kernel, sstr, c, p)] = rec
+                n_done += 1
+                if out:
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                ms_s = f"{rec['ms']:.4f} ms" if rec.get("ms") else ("wrong" if rec.get("err") else rec.get("error", "-"))
+                print(f"[tune] [{n_done}/{total}] {time.time() - t0:5.0f}s pass {p} {kernel} {sstr} {c}: {ms_s}",
+                      flush=True)
+            del prob
+            torch.cuda.empty_cache()
+        if stop:
             break
-        prob = RopeProblem(shape) if op == "rope" else Problem(op, kernel, *shape)
-        for c in todo:
-            rec = {"device": device, "cc": cc, "triton": triton_version(), "kernel": kernel, "family": fam, "op": op, "shape": sstr,
-                   "m": prob.m, "n": prob.n, "k": prob.k, "config": c}
-            try:
-                if c in REFERENCES:
-                    rec.update(ms=(prob.cublas_ms if c == "cuBLAS" else prob.gather_ms)(rep), err=0.0)
-                else:
-                    err = prob.error(cfgs[c])
-                    ok = err < (2e-2 if op != "rope" else 1e-2)
-                    rec.update(err=err, ms=prob.time(cfgs[c], rep) if ok else None)
-            except Exception as e:  # noqa: BLE001  (out of shared memory / registers: not a candidate here)
-                rec.update(err=None, ms=None, error=f"{type(e).__name__}: {str(e)[:200]}")
-            done[(kernel, sstr, c)] = rec
-            n_done += 1
-            if out:
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
-            ms_s = f"{rec['ms']:.4f} ms" if rec.get("ms") else ("wrong" if rec.get("err") else rec.get("error", "-"))
-            print(f"[tune] [{n_done}/{total}] {time.time() - t0:5.0f}s {kernel} {sstr} {c}: {ms_s}", flush=True)
-        del prob
-        torch.cuda.empty_cache()
     if out:
         out.close()
-    return done
+    return _aggregate(raw)
 
 
 GATHER_DESIGNS = {"linear_gather": "linear", "swiglu_gather": "swiglu"}  # design op -> the gather-copy design's op
@@ -438,15 +542,23 @@ REFERENCES = ("cuBLAS", "gather copy")  # measured next to the candidates, never
 KEEP_MARGIN = 1.02  # a challenger must beat the table's current config by 2% (geomean) to replace it: no noise churn
 
 
-def winners(done, kernel, ms_list, incumbent=None):
-    """m -> (cfg, geomean ratio, per-shape times) for the kernel's measured m (one key, None, for rope).
-    incumbent(m) -> the current table's cfg for m: kept unless the best is KEEP_MARGIN faster."""
+def _shape_nk(sstr):
+    """(n, k) of a shape string "M256_N1280_K8192[_single]"."""
+    mt = re.match(r"M\d+_N(\d+)_K(\d+)", sstr)
+    return (int(mt.group(1)), int(mt.group(2))) if mt else (None, None)
+
+
+def _scores(done, kernel, ms_list, admit=None):
+    """m -> ({cfg: geomean of time / the shape's best time}, {shape: {cfg: ms}}) over the kernel's shapes of m that
+    admit(n, k) accepts (all without it), for the configs measured on every one of them."""
     by_m = {}
     for (k, sstr, c), r in done.items():
         if k != kernel or c in REFERENCES:
             continue
         m = None if kernel == "rope_kernel" else r["m"]
         if m is not None and m not in ms_list:
+            continue
+        if admit is not None and not admit(r.get("n"), r.get("k")):
             continue
         by_m.setdefault(m, {}).setdefault(sstr, {})[c] = r.get("ms")
     out = {}
@@ -455,14 +567,74 @@ def winners(done, kernel, ms_list, incumbent=None):
         cfgs = set.intersection(*[set(c for c, v in t.items() if v) for t in per_shape.values()])
         if not cfgs or len(best) != len(per_shape):
             continue
-        score = {c: math.exp(sum(math.log(per_shape[s][c] / best[s]) for s in per_shape) / len(per_shape))
-                 for c in cfgs}
+        out[m] = ({c: math.exp(sum(math.log(per_shape[s][c] / best[s]) for s in per_shape) / len(per_shape))
+                   for c in cfgs}, per_shape)
+    return out
+
+
+def winners(done, kernel, ms_list, incumbent=None, admit=None):
+    """m -> (cfg, geomean ratio, per-shape times) for the kernel's measured m (one key, None, for rope), over the
+    shapes admit(n, k) accepts (every shape without it). incumbent(m) -> the current table's cfg for m: kept unless
+    the best is KEEP_MARGIN faster."""
+    out = {}
+    for m, (score, per_shape) in _scores(done, kernel, ms_list, admit).items():
         w = min(score, key=score.get)
         cur = incumbent(m) if incumbent else None
         if cur in score and score[cur] <= KEEP_MARGIN * score[w]:
             w = cur
         out[m] = (w, score[w], {s: per_shape[s][w] for s in per_shape})
     return out
+
+
+def parse_classes(arg):
+    """--classes "n<=2048;k<=1024;n<=2048,k<=1024" -> [(2048, None), (None, 1024), (2048, 1024)]: the shape classes
+    to try, in the table's order (narrower first: a shape belongs to the first class that admits it)."""
+    out = []
+    for part in (p.strip() for p in (arg or "").split(";")):
+        if not part:
+            continue
+        bounds = {}
+        for b in part.split(","):
+            mt = re.fullmatch(r"\s*([nk])\s*<=\s*(\d+)\s*", b)
+            if not mt or int(mt.group(2)) <= 0 or mt.group(1) in bounds:
+                raise SystemExit(f"aot.tune: --classes: {part!r} is not a class such as 'n<=2048' or "
+                                 "'n<=2048,k<=1024'")
+            bounds[mt.group(1)] = int(mt.group(2))
+        out.append((bounds.get("n"), bounds.get("k")))
+    return out
+
+
+def _owner(classes, n, k):
+    """The first of `classes` that admits a GEMM of n columns and reduction k, else None (the general class)."""
+    for c in classes:
+        if ct.in_class(dict(zip(ct.CLASS_FIELDS, c)), n, k):
+            return c
+    return None
+
+
+def class_winners(done, kernel, ms_list, table, fam, classes):
+    """The classes worth a bucket list of their own, and each's winners: [(class, winners)], the general class
+    (None) last. A class is dropped (its shapes go back to the general class) where the general winner of every m
+    is within KEEP_MARGIN of the class's own best on the class's shapes, or where nothing of it was measured."""
+    kept = list(classes)
+    while True:
+        admit_general = lambda n, k: _owner(kept, n, k) is None  # noqa: E731
+        general = winners(done, kernel, ms_list, _incumbent(table, kernel, fam), admit_general)
+        out, drop = [], []
+        for c in kept:
+            admit = lambda n, k, c=c: _owner(kept, n, k) == c  # noqa: E731
+            win = winners(done, kernel, ms_list, _incumbent(table, kernel, fam, c), admit)
+            scores = _scores(done, kernel, ms_list, admit)
+            worth = any(m not in general or general[m][0] not in scores[m][0]
+                        or scores[m][0][general[m][0]] > KEEP_MARGIN * win[m][1] for m in win)
+            if win and worth:
+                # an m measured for the general class only (e.g. decode m kept from an earlier run): its winner
+                out.append((c, {**{m: w for m, w in general.items() if m not in win}, **win}))
+            else:
+                drop.append(c)
+        if not drop:
+            return out + [(None, general)]
+        kept = [c for c in kept if c not in drop]
 
 
 def _design_choice(done, win, new_table, kmap, op):
@@ -475,7 +647,7 @@ def _design_choice(done, win, new_table, kmap, op):
     for m, (cfg, score, per_shape) in win.items():
         ratios = []
         for sstr, ms in per_shape.items():
-            other = ct.cfg_str(ct.pick(new_table, tma_kernel, "half", m))
+            other = ct.cfg_str(ct.pick(new_table, tma_kernel, "half", m, *_shape_nk(sstr)))
             t = done.get((tma_kernel, sstr, other), {}).get("ms")
             gc = done.get((kmap[op][0], sstr, "gather copy"), {}).get("ms") if copy else 0.0
             if not t or gc is None:
@@ -493,10 +665,11 @@ def _design_choice(done, win, new_table, kmap, op):
     return out
 
 
-def _incumbent(table, kernel, fam):
+def _incumbent(table, kernel, fam, cls=None):
+    """m -> the table's config for m (in shape class cls: (max_n, max_k), None for the general class)."""
     def cur(m):
         try:
-            return ct.cfg_str(ct.pick(table, kernel, fam, m or 1))
+            return ct.cfg_str(ct.pick(table, kernel, fam, m or 1, *(cls or (None, None))))
         except KeyError:
             return None
     return cur
@@ -510,47 +683,82 @@ def merge_kept(done, kept, ms_list, kernels):
     return {**kept, **done}, ms
 
 
+def restrict(done, ops, ms, models, cc):
+    """The measurements of the ops' kernels on the shapes of this run (--ops, --ms, --models) only: a result file
+    may hold other runs' shapes (one file per architecture: aot/configs/sm<arch>.measurements.jsonl), and the table is
+    the winners over the shapes asked for. Other kernels' records stay (an alternative design is compared with them)."""
+    kmap = kernels_for(cc)
+    plan = {(kmap[op][0], shape_str(op, s)) for op in ops for s in shapes(op, ms, models)}
+    mine = {kmap[op][0] for op in ops}
+    return {key: r for key, r in done.items() if key[0] not in mine or key[:2] in plan}
+
+
 def triton_version():
     import triton
     return triton.__version__
 
 
-def write_table(path, table, done, ops, ms_list, cc, device, argv):
+def _kept_below(table, kernel, fam, cls, lo):
+    """The table's buckets of class cls (or, for a class it does not have, of its general class) that serve only m
+    below lo: a re-tune that did not measure those m keeps them."""
+    old = ct.buckets(table, kernel, fam)
+    run = [e for e in old if ct.shape_class(e) == (cls or (None, None))]
+    run = run or [e for e in old if ct.shape_class(e) == (None, None)]
+    return [{k: v for k, v in e.items() if k not in ct.CLASS_FIELDS} for e in run if e.get("max_m", lo) < lo]
+
+
+def _buckets(win, cfgs, why, cls, below=()):
+    """One class's bucket list: the kept buckets of the m below the measured ones, then the winners per m;
+    neighbouring buckets with the same config merged (max_m = the largest m measured in it), the last open; the
+    class's bounds on every bucket."""
+    buckets = [dict(e) for e in below]
+    for m in sorted(win):
+        e = {"off": True} if win[m][0] == "off" else dict(cfgs[win[m][0]])
+        if buckets and ct.cfg_str(buckets[-1]) == ct.cfg_str(e):
+            buckets[-1]["max_m"] = m
+        else:
+            buckets.append(dict(e, max_m=m))
+    buckets[-1].pop("max_m")
+    if all(b.get("off") for b in buckets):
+        buckets = [{"off": True}]
+    for b in buckets:
+        w = why.get((cls or (None, None), ct.cfg_str(b)))
+        if w:  # an unchanged config keeps its explanation
+            b["why"] = w
+        b.update({f: v for f, v in zip(ct.CLASS_FIELDS, cls or (None, None)) if v is not None})
+    return [{k: b[k] for k in ct.ORDER if k in b} for b in buckets]
+
+
+def write_table(path, table, done, ops, ms_list, cc, device, argv, classes=()):
+    """Writes the winners of `ops` into a copy of `table` at path: per kernel, a bucket list per shape class of
+    `classes` that is worth one (class_winners), then the general class. Returns the new table."""
     new = json.loads(json.dumps(table))
     kmap = kernels_for(cc)
-    for op in ops:
+    # the design an alternative replaces is written first: the alternative is measured against its new config
+    for op in sorted(ops, key=lambda o: o in ALTERNATIVES):
         kernel, cands = kmap[op]
         fam, cfgs = candidates(kernel, cands, table)
-        win = winners(done, kernel, ms_list, _incumbent(table, kernel, fam))
-        why = {ct.cfg_str(e): e["why"] for e in ct.buckets(table, kernel, fam) if "why" in e}
-        if not win:
+        # an explanation stays with a config that keeps serving its class
+        why = {(ct.shape_class(e), ct.cfg_str(e)): e["why"] for e in ct.buckets(table, kernel, fam) if "why" in e}
+        per_class = class_winners(done, kernel, ms_list, table, fam, () if kernel == "rope_kernel" else classes)
+        if not per_class[-1][1]:
             print(f"[tune] {kernel}: nothing complete to write (keeping the table's entries)")
             continue
         if kernel == "rope_kernel":
-            e = dict(cfgs[win[None][0]])
-            new["kernels"].setdefault(kernel, {})[fam] = [dict(e, why=why[ct.cfg_str(e)]) if ct.cfg_str(e) in why else e]
+            e = dict(cfgs[per_class[-1][1][None][0]])
+            w = why.get(((None, None), ct.cfg_str(e)))
+            new["kernels"].setdefault(kernel, {})[fam] = [dict(e, why=w) if w else e]
             continue
-        if kernel in ct.OPTIONAL:
-            win = _design_choice(done, win, new, kmap, op)
         buckets = []
-        for m in sorted(win):
-            e = {"off": True} if win[m][0] == "off" else dict(cfgs[win[m][0]])
-            if buckets and ct.cfg_str(buckets[-1]) == ct.cfg_str(e):
-                buckets[-1]["max_m"] = m
-            else:
-                buckets.append(dict(e, max_m=m))
-        buckets[-1].pop("max_m")
-        if all(b.get("off") for b in buckets):
-            buckets = [{"off": True}]
-        for b in buckets:  # an unchanged config keeps its explanation
-            if ct.cfg_str(b) in why:
-                b["why"] = why[ct.cfg_str(b)]
-        new["kernels"].setdefault(kernel, {})[fam] = [
-            {k: b[k] for k in ("max_m", "off", "block", "group", "warps", "stages", "flatten", "split", "why")
-             if k in b}
-            for b in buckets]
+        for cls, win in per_class:
+            if kernel in ct.OPTIONAL:
+                win = _design_choice(done, win, new, kmap, op)
+            if cls is not None:
+                print(f"[tune] {kernel}: class {ct.class_str(cls)} gets its own buckets")
+            buckets += _buckets(win, cfgs, why, cls, _kept_below(table, kernel, fam, cls, min(ms_list)))
+        new["kernels"].setdefault(kernel, {})[fam] = buckets
     tv = sorted({r.get("triton", "?") for r in done.values()})
-    how = f"`python -m aot.tune {' '.join(argv)}`"
+    how = f"`python -m aot.tune {shlex.join(argv)}`"
     if "--offline" in argv:
         how = f"{how} from the measurements in its --results file"
     new["origin"] = (f"tuned on {device} (triton {', '.join(tv)}) by {how} ({datetime.date.today().isoformat()}); "
@@ -562,8 +770,9 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv):
     return new
 
 
-def report(done, ops, ms_list, table, cc):
-    """Default (the table's config before this run) vs tuned (winner) time per kernel and shape."""
+def report(done, ops, ms_list, table, cc, classes=()):
+    """Default (the table's config before this run) vs tuned (the winner of the shape's class) time per kernel and
+    shape."""
     kmap = kernels_for(cc)
     print("\n| kernel | shape | default config | default ms | tuned config | tuned ms | tuned / default | "
           "cuBLAS (or copy) ms |")
@@ -571,14 +780,21 @@ def report(done, ops, ms_list, table, cc):
     for op in ops:
         kernel, _ = kmap[op]
         fam = "all" if kernel == "rope_kernel" else "half"
-        win = winners(done, kernel, ms_list, _incumbent(table, kernel, fam))
+        per_class = class_winners(done, kernel, ms_list, table, fam, () if kernel == "rope_kernel" else classes)
+        kept = [c for c, _ in per_class[:-1]]
+        win_of = dict(per_class)
         for (k, sstr, c), r in sorted(done.items(), key=lambda kv: (kv[0][0], kv[1].get("m") or 0, kv[0][1])):
             if k != kernel or c in REFERENCES:
                 continue
             m = None if kernel == "rope_kernel" else r["m"]
+            n, kk = (None, None) if m is None else (r.get("n"), r.get("k"))
+            win = win_of[_owner(kept, n, kk)]
             if m not in win or c != win[m][0]:
                 continue
-            dflt = _incumbent(table, kernel, fam)(m) or "-"
+            try:
+                dflt = ct.cfg_str(ct.pick(table, kernel, fam, m or 1, n, kk))
+            except KeyError:
+                dflt = "-"
             d_ms = done.get((kernel, sstr, dflt), {}).get("ms")
             cb = done.get((kernel, sstr, "cuBLAS"), {}).get("ms")
             ratio = f"{r['ms'] / d_ms:.3f}" if d_ms else "-"
@@ -596,13 +812,21 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="linear,swiglu,grad_weight,rope")
     p.add_argument("--ms", default="1,16,64,256,1024,4096,16384", help="token counts (m buckets) to measure")
-    p.add_argument("--models", default="7b,13b,70b", help=f"model sizes for N and K: {', '.join(MODELS)}")
+    p.add_argument("--models", default="7b,13b,70b",
+                   help=f"models whose projections give N and K: {', '.join(MODELS)} (Llama-2), or {MATRIX} (every "
+                        "model of benchmarks/bench_matrix.py) or one of its names")
     p.add_argument("--results", default=None, help="JSON-lines result file (resumable); default tune_sm<cc>.jsonl")
     p.add_argument("--write", default=None, help="write the winners into this config table (aot/configs/sm<cc>.json)")
     p.add_argument("--rep", type=int, default=20)
+    p.add_argument("--passes", type=int, default=1,
+                   help="measure everything this many times (even passes in reverse config order); a config's time "
+                        "is its fastest pass")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new shapes after this many seconds")
     p.add_argument("--keep", default=None,
                    help="an earlier result file whose measurements of the m not measured now join this run's")
+    p.add_argument("--classes", default="",
+                   help="shape classes to try, narrower first, e.g. 'n<=2048;k<=1024': each gets its own buckets where "
+                        "its best configs differ from the general class's by more than the keep margin")
     p.add_argument("--offline", action="store_true",
                    help="measure nothing: rebuild the report and --write from the --results file (no GPU needed)")
     a = p.parse_args()
@@ -621,22 +845,22 @@ def main():
     known = set(kernels_for(cc))
     if set(ops) - known:
         raise SystemExit(f"aot.tune: unknown --ops {sorted(set(ops) - known)} (here: {', '.join(sorted(known))})")
-    models = [m for m in a.models.split(",") if m]
-    if set(models) - set(MODELS):
-        raise SystemExit(f"aot.tune: unknown --models {sorted(set(models) - set(MODELS))} ({', '.join(MODELS)})")
+    models = model_names(a.models)
     ms_list = sorted(int(m) for m in a.ms.split(","))
+    classes = parse_classes(a.classes)
     arch = table_arch(cc)
     table = ct.load(arch)
     results = a.results or f"tune_sm{cc}.jsonl"
     if a.offline:
         done = load_results(results, device)
     else:
-        done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc)
+        done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc, a.passes)
+    done = restrict(done, ops, ms_list, models, cc)
     if a.keep:
         done, ms_list = merge_kept(done, load_results(a.keep, device), ms_list, {kernels_for(cc)[o][0] for o in ops})
-    report(done, ops, ms_list, table, cc)
+    report(done, ops, ms_list, table, cc, classes)
     if a.write:
-        write_table(a.write, table, done, ops, ms_list, cc, device, sys.argv[1:])
+        write_table(a.write, table, done, ops, ms_list, cc, device, sys.argv[1:], classes)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,76 @@ def test_off_buckets_turn_the_alternative_design_off_at_run_time(kernel):
     assert buckets, f"the sm_90 table lists no buckets for {kernel}"
     for e in buckets:
         m = e.get("max_m", 1 << 30)
-        assert fused_ops.kernel_config(kernel, "half", m, 90) == ct.cfg_str(e)
+        assert fused_ops.kernel_config(kernel, "half", m, 90, n=e.get("max_n"), k=e.get("max_k")) == ct.cfg_str(e)
+
+
+_A = {"block": [128, 256, 64], "group": 8, "warps": 8, "stages": 3}
+_B = {"block": [64, 64, 128], "group": 8, "warps": 4, "stages": 4}
+_C = {"block": [128, 128, 64], "group": 8, "warps": 8, "stages": 4}
+
+
+def _classed(buckets):
+    t = copy.deepcopy(TABLES[90])
+    t["kernels"]["routed_linear_tma_kernel"]["half"] = buckets
+    return t
+
+
+def test_shape_classes_pick_the_first_class_that_admits_the_shape():
+    """A class (max_n / max_k) serves only the GEMMs within its bounds; the general class takes the rest and every
+    lookup that does not know the shape."""
+    t = ct.validate(_classed([dict(_B, max_n=2048, max_m=1024), dict(_C, max_n=2048),
+                              dict(_C, max_k=1024),
+                              dict(_B, max_m=64), dict(_A)]))
+    pick = lambda m, n=None, k=None: ct.cfg_str(ct.pick(t, "routed_linear_tma_kernel", "half", m, n, k))  # noqa
+    assert pick(256, 1280, 8192) == pick(1024, 2048, 4096) == ct.cfg_str(_B)  # narrow N, its own m buckets
+    assert pick(1025, 1280, 8192) == ct.cfg_str(_C)
+    assert pick(256, 8192, 1024) == ct.cfg_str(_C)  # short K
+    assert pick(256, 2049, 4096) == pick(256) == ct.cfg_str(_A)  # the general class; unknown shape: general
+    assert pick(64, 4096, 4096) == pick(64) == ct.cfg_str(_B)
+    assert ct.class_str((2048, None)) == "n<=2048" and ct.class_str((None, None)) == "general"
+
+
+@pytest.mark.parametrize("buckets, message", [
+    ([dict(_B, max_n=2048, max_m=256), dict(_A)], "the last bucket of a class"),  # a class without its open bucket
+    ([dict(_B, max_n=2048), dict(_A, max_k=1024)], "the last class must be the general one"),
+    ([dict(_B, max_n=2048), dict(_C, max_k=512), dict(_B, max_n=2048), dict(_A)], "appears twice"),
+    ([dict(_B, max_n=4096), dict(_C, max_n=2048), dict(_A)], "is never taken: n<=4096 before it"),
+    ([dict(_B, max_n=0), dict(_A)], "'max_n' must be a positive integer"),
+    ([dict(_B, max_n=2048, max_m=256), dict(_C, max_n=2048, max_m=128), dict(_B, max_n=2048), dict(_A)],
+     "above the previous one"),
+])
+def test_shape_classes_are_checked(buckets, message):
+    with pytest.raises(ValueError) as e:
+        ct.validate(_classed(buckets), "t.json")
+    assert message in str(e.value)
+
+
+def test_classes_of_an_optional_kernel_may_turn_it_off_and_rope_has_none():
+    t = copy.deepcopy(TABLES[90])
+    t["kernels"]["routed_linear_gather_tma_kernel"]["half"] = [{"max_n": 2048, "off": True}, dict(_A)]
+    ct.validate(t)
+    assert ct.pick(t, "routed_linear_gather_tma_kernel", "half", 512, 1280, 8192) == {"max_n": 2048, "off": True}
+    t["kernels"]["rope_kernel"]["all"][0]["max_n"] = 64
+    with pytest.raises(ValueError, match="rope_kernel has no shape classes"):
+        ct.validate(t)
+
+
+def test_route_blocks_restart_at_each_class():
+    """The gather GEMM's ROUTE_BLOCK sizes follow each class's own m ranges: a config used only by a class for
+    m <= 1024 needs the one-block routing sizes of 1 .. 1024, whatever the general class's buckets are."""
+    from kernels.routing import one_block_sizes
+    t = copy.deepcopy(TABLES[90])
+    t["kernels"]["routed_linear_gather_tma_kernel"]["half"] = [dict(_B, max_n=2048, max_m=1024),
+                                                               dict(_C, max_n=2048), dict(_A, max_m=8192),
+                                                               dict(_C)]
+    ct.validate(t)
+    orig = manifest.table
+    try:
+        manifest.table = lambda arch: t if arch == 90 else ct.load(arch)
+        got = set(manifest.route_blocks("routed_linear_gather_tma_kernel", "half", _B))
+    finally:
+        manifest.table = orig
+    assert got == {0} | set(one_block_sizes(0, 1024))
 
 
 def test_tma_kernels_only_in_the_sm90_table():
@@ -178,10 +247,14 @@ def test_runtime_lookup_matches_the_tables(cc):
         pytest.skip(f"the build holds {fused_ops.built_archs()}, not the default FUSED_ARCHS")
     table = TABLES[CC_TABLE[cc]]
     for kernel, fams in table["kernels"].items():
-        for fam in fams:
+        for fam, buckets in fams.items():
+            # every class edge on n and k, and None: a lookup that does not know the shape (the general class)
+            ns, ks = ({None, 1} | {b[f] + d for b in buckets if f in b for d in (0, 1)} for f in ct.CLASS_FIELDS)
             for m in MS:
-                assert fused_ops.kernel_config(kernel, fam, m, cc) == ct.cfg_str(ct.pick(table, kernel, fam, m)), \
-                    (kernel, fam, m, cc)
+                for n in ns:
+                    for k in ks:
+                        assert fused_ops.kernel_config(kernel, fam, m, cc, n=n, k=k) == \
+                            ct.cfg_str(ct.pick(table, kernel, fam, m, n, k)), (kernel, fam, m, n, k, cc)
 
 
 def test_runtime_lookup_errors_name_what_is_missing():
@@ -227,3 +300,17 @@ def test_flattened_configs_compile_for_sm90():
                        timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "routed_swiglu_pair_tma_kernel 128x128x64_g8_w8_s4_f shared" in r.stdout, r.stdout
+
+
+def test_shape_classes_can_be_turned_off_for_a_benchmark():
+    """FUSED_SHAPE_CLASSES=0 (read once per process): every lookup takes the general class."""
+    import subprocess
+    code = ("import fused_ops; print(fused_ops.kernel_config('routed_linear_tma_kernel', 'half', 256, 90, n=1280, "
+            "k=8192), fused_ops.kernel_config('routed_linear_tma_kernel', 'half', 256, 90))")
+    general = ct.cfg_str(ct.pick(TABLES[90], "routed_linear_tma_kernel", "half", 256))
+    narrow = ct.cfg_str(ct.pick(TABLES[90], "routed_linear_tma_kernel", "half", 256, 1280, 8192))
+    assert narrow != general, "the shipped sm_90 table has a narrow-N class for m = 256"
+    for env, want in (("0", f"{general} {general}"), ("1", f"{narrow} {general}")):
+        r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, FUSED_SHAPE_CLASSES=env),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.split() == want.split(), r.stdout + r.stderr

@@ -2,6 +2,7 @@
 writing a valid table (the measuring itself runs on the GPU machine: scripts/gpu_job.sh step `tune`)."""
 import json
 import os
+import shlex
 import sys
 
 import pytest
@@ -16,9 +17,9 @@ K = "routed_linear_tma_kernel"
 A, B, C = "128x256x64_g8_w8_s3", "128x64x64_g8_w4_s4", "64x64x128_g8_w4_s4"
 
 
-def _rec(m, n, cfg, ms, kernel=K, dev="GPU X"):
+def _rec(m, n, cfg, ms, kernel=K, dev="GPU X", k=4096):
     return {"device": dev, "cc": 90, "kernel": kernel, "family": "half", "op": "linear",
-            "shape": f"M{m}_N{n}_K4096", "m": m, "n": n, "k": 4096, "config": cfg, "ms": ms, "err": 1e-3}
+            "shape": f"M{m}_N{n}_K{k}", "m": m, "n": n, "k": k, "config": cfg, "ms": ms, "err": 1e-3}
 
 
 def _done(recs):
@@ -116,3 +117,107 @@ def test_the_paired_gate_up_is_on_only_where_it_beats_the_two_mma_kernel():
     new = tune.write_table("/dev/null", ct.load(90), _done(recs), ["swiglu", "swiglu_pair"], [1, 4096], 90, "GPU X", [])
     b = new["kernels"][P]["half"]
     assert b[0] == {"max_m": 1, "off": True} and ct.cfg_str(b[1]) == G and "max_m" not in b[1]
+
+
+def _linear(new):
+    return [({f: e[f] for f in ("max_n", "max_k", "max_m") if f in e}, ct.cfg_str(e)) for e in new["kernels"][K]["half"]]
+
+
+def test_a_shape_class_gets_its_own_buckets_where_its_best_configs_differ():
+    """Narrow N (1280) prefers C at m = 256 where the wide shapes prefer A: the class n<=2048 gets its own buckets;
+    the class k<=1024 (whose shapes' best equals the general winner) does not."""
+    recs = []
+    for m in (256, 4096):
+        for n in (4096, 6144):
+            recs += [_rec(m, n, A, 1.0), _rec(m, n, C, 1.5)]
+        recs += [_rec(m, 1280, A, 2.0 if m == 256 else 1.0), _rec(m, 1280, C, 1.0 if m == 256 else 1.3)]
+        recs += [_rec(m, 8192, A, 1.0, k=1024), _rec(m, 8192, C, 1.4, k=1024)]
+    base = ct.load(90)  # a table without classes: its general buckets only
+    base["kernels"][K]["half"] = [e for e in base["kernels"][K]["half"] if ct.shape_class(e) == (None, None)]
+    new = tune.write_table("/dev/null", base, _done(recs), ["linear"], [256, 4096], 90, "GPU X", [],
+                           tune.parse_classes("n<=2048;k<=1024"))
+    kept_below = [(dict(max_m=e["max_m"]), ct.cfg_str(e)) for e in base["kernels"][K]["half"]
+                  if e.get("max_m", 1 << 30) < 256]
+    assert kept_below  # the decode buckets: m not measured in this run, kept from the table
+    with_class = [(dict(max_n=2048, **b), c) for b, c in kept_below]
+    assert _linear(new) == with_class + [({"max_n": 2048, "max_m": 256}, C), ({"max_n": 2048}, A)] + kept_below + [
+        ({}, A)]
+    # the shape of the class picks its class's config, the others the general one
+    assert ct.cfg_str(ct.pick(new, K, "half", 200, 1280, 8192)) == C
+    assert ct.cfg_str(ct.pick(new, K, "half", 200, 8192, 1024)) == A
+
+
+def test_classes_are_parsed_narrow_first():
+    assert tune.parse_classes("n<=2048; k<=1024;n<=2048,k<=512") == [(2048, None), (None, 1024), (2048, 512)]
+    assert tune.parse_classes("") == []
+    for bad in ("n<2048", "m<=256", "n<=0", "n<=2048,n<=1024"):
+        with pytest.raises(SystemExit, match="--classes"):
+            tune.parse_classes(bad)
+
+
+def test_matrix_models_give_the_matrix_projections():
+    """--models matrix: the projections of benchmarks/bench_matrix.py's models (GQA QKV widths, the down
+    projection for the linear kernel that runs it), so the tuner measures what the matrix reports."""
+    names = tune.model_names("matrix")
+    assert "llama3-70b-tp8" in names and "cogvlm2-19b" in names
+    assert tune.projections("linear_gather", "llama3-70b-tp8") == [(1280, 8192), (8192, 1024)]
+    assert tune.projections("linear", "llama3-8b") == [(6144, 4096), (4096, 4096), (4096, 14336)]
+    assert tune.projections("swiglu_pair", "qwen2.5-7b") == [(18944, 3584)]
+    with pytest.raises(SystemExit, match="unknown --models"):
+        tune.model_names("7b,gpt5")
+
+
+def test_decode_tiles_are_not_measured_at_prefill_m():
+    e16, e128 = {"block": [16, 64, 256]}, {"block": [128, 256, 64]}
+    assert tune.fits_m(K, e16, 64) and not tune.fits_m(K, e16, 256) and tune.fits_m(K, e128, 256)
+    assert tune.fits_m("routed_grad_weight_tma_kernel", {"block": [16, 64, 32]}, 4096)  # BN x BK x BR: no row tile
+
+
+def test_passes_keep_each_configs_fastest_and_a_failure_in_any_pass(tmp_path):
+    f = tmp_path / "r.jsonl"
+    recs = [dict(_rec(16, 4096, A, 1.2), **{"pass": 1}), dict(_rec(16, 4096, A, 1.0), **{"pass": 2}),
+            _rec(16, 4096, B, 0.9), dict(_rec(16, 4096, B, None), **{"pass": 2}),
+            _rec(16, 4096, C, 2.0)]  # no "pass": the first (files written before passes existed)
+    f.write_text("\n".join(json.dumps(r) for r in recs))
+    done = tune.load_results(str(f), "GPU X")
+    assert {c: done[(K, "M16_N4096_K4096", c)]["ms"] for c in (A, B, C)} == {A: 1.0, B: None, C: 2.0}
+
+
+_LATER_PASS = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from aot import tune
+prob = tune.Problem("linear", "routed_linear_tma_kernel", 256, 256, 256)
+cfg = {"block": [128, 128, 64], "group": 8, "warps": 4, "stages": 3}
+assert prob.time(cfg, 3) > 0  # no error() before it: the outputs are allocated by time() itself
+assert prob.error(cfg) < 2e-2
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_a_later_pass_times_without_checking_first():
+    """Pass 2 times configs that pass 1 checked: its Problem has not run error() (which poisons the outputs). In a
+    fresh process without TRITON_INTERPRET (interpreter tests may have set it here): compiled kernels are timed."""
+    import subprocess
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _LATER_PASS, ROOT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_the_shipped_sm90_table_is_what_its_measurements_give():
+    """aot/configs/sm90.json's entries are the offline re-tune of aot/configs/sm90.measurements.jsonl by the
+    --offline command in its origin, starting from the table itself: the shipped table is reproducible from the raw log (and the
+    re-tune is stable: no config within the keep margin flips)."""
+    table = ct.load(90)
+    cmd = [shlex.split(q) for q in table["origin"].split("`") if q.startswith("python -m aot.tune --offline")][0]
+    arg = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
+    ops, ms = arg("--ops").split(","), sorted(int(m) for m in arg("--ms").split(","))
+    results = os.path.join(ROOT, arg("--results"))
+    device = json.loads(open(results).readline())["device"]
+    done = tune.restrict(tune.load_results(results, device), ops, ms, tune.model_names(arg("--models")), 90)
+    new = tune.write_table("/dev/null", table, done, ops, ms, 90, device, [], tune.parse_classes(arg("--classes")))
+    assert new["kernels"] == table["kernels"]

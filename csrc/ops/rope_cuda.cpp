@@ -53,7 +53,7 @@ void launch_rope(const RopeGeometry& g, const RopeOptions& o, const at::Tensor& 
   a.i32(o.cp_size).i32(o.cp_rank).i32(flags);
 
   // Config (warps, blocks) from the table of the device's architecture (aot/configs/sm<arch>.json); one bucket.
-  const KernelConfig& cfg = kernel_config("rope_kernel", "all", device_capability(x.get_device()), g.rows);
+  const KernelConfig& cfg = kernel_config("rope_kernel", "all", device_capability(x.get_device()), g.rows, -1, -1);
   launch_on_current_stream("rope_kernel", rope_key(cfg, dtype_name(x.scalar_type()), o.interleaved, second, thd), a,
                            Grid{static_cast<uint32_t>(g.rows), 1, 1}, x);
 }
@@ -104,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_cuda(const at::Tensor& q, const at::T
 
 std::vector<VariantRequest> rope_requestable_variants(int cc) {
   std::vector<VariantRequest> out;
-  if (!find_config("rope_kernel", "all", cc, 0)) return {{"rope_kernel", "no config (all)"}};
+  if (!find_config("rope_kernel", "all", cc, 0, -1, -1)) return {{"rope_kernel", "no config (all)"}};
   for (size_t i = 0; i < kNumConfigs; ++i) {  // every bucket of the table that serves cc
     const KernelConfig& cfg = kConfigs[i];
     if (std::string(cfg.kernel) != "rope_kernel" || cfg.arch != table_arch(cc)) continue;

@@ -7,6 +7,7 @@
 
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -47,8 +48,10 @@ const char* family(const Gemm& g) {
   if (g.dt != "fp32") return "half";
   return g.prec == "tf32" ? "tf32" : "ieee";
 }
-const KernelConfig& config(const Gemm& g, const char* kernel, int64_t m) {
-  return kernel_config(kernel, family(g), g.cc, m);
+// n, k: the GEMM's output columns and reduction length (the grad-weight kernels: the weight's [n, k]), the keys of
+// the table's shape classes.
+const KernelConfig& config(const Gemm& g, const char* kernel, int64_t m, int64_t n, int64_t k) {
+  return kernel_config(kernel, family(g), g.cc, m, n, k);
 }
 
 // gather_rows_kernel's BLOCK_R (kernels/gather_rows.py GATHER_ROWS, in the key as "rows"); divides kAlign.
@@ -356,10 +359,10 @@ bool Gemm::tma_kernels(bool swiglu) const {
   // sm_90 exactly: the sm_90 cubins use sm_90a-only instructions (wgmma), and their PTX does not run on sm_100+.
   if (cc != 90 || !std::strstr(built_archs(), "sm_90")) return false;
   // The sm_90 table lists the TMA kernels (aot/configs/sm90.json); a build without them has no such entries.
-  if (!find_config("routed_linear_tma_kernel", family(*this), cc, 0) ||
-      !find_config("routed_grad_weight_tma_kernel", family(*this), cc, 0))
+  if (!find_config("routed_linear_tma_kernel", family(*this), cc, 0, -1, -1) ||
+      !find_config("routed_grad_weight_tma_kernel", family(*this), cc, 0, -1, -1))
     return false;
-  return !swiglu || find_config("routed_swiglu_tma_kernel", family(*this), cc, 0);  // none for fp32-ieee
+  return !swiglu || find_config("routed_swiglu_tma_kernel", family(*this), cc, 0, -1, -1);  // none for fp32-ieee
 }
 
 bool Gemm::tma_usable(std::initializer_list<int64_t> dims, bool swiglu) const {
@@ -543,7 +546,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     // Token-order A into scattered rows (the linear_dual forward): gathering A's rows inside the GEMM saves the
     // [M_pad, K] gather copy where the table says it is faster (aot/configs/sm90.json; docs/perf.md). It also routes
     // a deferred routing itself (ROUTE_BLOCK, in the key as "route"; 0: perm / seg are written already).
-    const KernelConfig* c = find_config("routed_linear_gather_tma_kernel", family(g), g.cc, r.M);
+    const KernelConfig* c = find_config("routed_linear_gather_tma_kernel", family(g), g.cc, r.M, n, k);
     if (c && !config_off(*c)) {
       const RouteHere here = route_here(r);
       const Experts::Stacked& st = w.stacked();
@@ -566,7 +569,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   ensure_routed(r);
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a);
-    const KernelConfig& c = config(g, "routed_linear_tma_kernel", r.M);
+    const KernelConfig& c = config(g, "routed_linear_tma_kernel", r.M, n, k);
     const Experts::Stacked& st = w.stacked();
     args.tensor(ap.data_ptr(), {ap.size(0), k}, {ap.stride(0), 1})
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
@@ -580,7 +583,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
                              args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
   } else {
     TORCH_INTERNAL_ASSERT(!r.identity);
-    const KernelConfig& c = config(g, "routed_linear_kernel", r.M);
+    const KernelConfig& c = config(g, "routed_linear_kernel", r.M, n, k);
     args.ptr(a.t.data_ptr()).ptr(w.text().data_ptr()).ptr(w.vision().data_ptr()).ptr(b0).ptr(b1).ptr(out.t.data_ptr())
         .ptr(res).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(w.ld()).i32(out.t.stride(0));
@@ -611,7 +614,7 @@ bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, c
                    const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1, const at::Tensor& out,
                    const at::Tensor& residual) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  const KernelConfig* c = find_config("routed_decode_linear_kernel", family(g), g.cc, M);
+  const KernelConfig* c = find_config("routed_decode_linear_kernel", family(g), g.cc, M, N, K);
   if (!c || config_off(*c)) return false;
   if (const char* env = std::getenv("FUSED_DECODE_GEMM"); env && std::strcmp(env, "0") == 0) return false;
   // aot/config_table.py checks that a decode bucket's max_m fits its BLOCK_M: one program holds every row
@@ -675,7 +678,7 @@ bool same_view(const Experts::Stacked& a, const Experts::Stacked& b) {
 
 std::optional<Pair> pair_of(const char* kernel, const Gemm& g, Experts& gate, Experts& up, int64_t m,
                             bool copy_to_pair) {
-  const KernelConfig* pc = find_config(kernel, family(g), g.cc, m);
+  const KernelConfig* pc = find_config(kernel, family(g), g.cc, m, gate.rows(), gate.cols());
   if (!pc || config_off(*pc)) return std::nullopt;
   if (copy_to_pair && !same_view(gate.stacked(), up.stacked())) {
     // The descriptor shares one expert stride, row stride and expert order between the two projections, and their
@@ -724,7 +727,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Exper
   if (tma && !a.expert_ordered && !r.single) {
     // Token-order x: gather its rows inside the GEMM where the table says that beats the gather copy, and route a
     // deferred routing there (as in linear).
-    const KernelConfig* c = find_config("routed_swiglu_gather_tma_kernel", family(g), g.cc, r.M);
+    const KernelConfig* c = find_config("routed_swiglu_gather_tma_kernel", family(g), g.cc, r.M, I, H);
     if (c && !config_off(*c)) {
       const RouteHere here = route_here(r);
       const Experts::Stacked& sg = gate.stacked();
@@ -765,7 +768,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Exper
     }
     const Experts::Stacked& sg = gate.stacked();
     const Experts::Stacked& su = up.stacked();
-    const KernelConfig& c = config(g, "routed_swiglu_tma_kernel", r.M);
+    const KernelConfig& c = config(g, "routed_swiglu_tma_kernel", r.M, I, H);
     args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
         .tensor(sg.base, {sg.experts, I, H}, {sg.stride_e, sg.ld, 1})
         .tensor(su.base, {su.experts, I, H}, {su.stride_e, su.ld, 1})
@@ -782,7 +785,7 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Exper
       gate.make_contiguous();
       up.make_contiguous();
     }
-    const KernelConfig& c = config(g, "routed_swiglu_kernel", r.M);
+    const KernelConfig& c = config(g, "routed_swiglu_kernel", r.M, I, H);
     args.ptr(a.t.data_ptr()).ptr(gate.text().data_ptr()).ptr(gate.vision().data_ptr()).ptr(up.text().data_ptr())
         .ptr(up.vision().data_ptr()).ptr(h.data_ptr()).ptr(gu).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(gate.ld()).i32(h.stride(0)).i32(stride_gu);
@@ -868,7 +871,7 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
     // their rows; a frozen expert's dW is not touched.
     TORCH_INTERNAL_ASSERT(dy.expert_ordered, "routed GEMM: the TMA grad-weight takes expert-ordered buffers");
     TORCH_INTERNAL_ASSERT(!dbias, "routed GEMM: the TMA grad-weight sums no bias (gather_rows_and_sum does)");
-    const KernelConfig& c = config(g, "routed_grad_weight_tma_kernel", r.M);  // block: BN x BK x BR
+    const KernelConfig& c = config(g, "routed_grad_weight_tma_kernel", r.M, N, K);  // block: BN x BK x BR
     args.tensor(dy.t.data_ptr(), {r.M_pad, N}, {dy.t.stride(0), 1})
         .tensor(x.t.data_ptr(), {r.M_pad, K}, {x.t.stride(0), 1})
         .ptr(r.seg.data_ptr())
@@ -884,7 +887,7 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
   // on the device: kernels/grad_weight.py _grad_weight_expert).
   const int32_t first_expert = run[0] ? 0 : 1;
   const int64_t n_experts = (run[0] && run[1]) ? 2 : 1;
-  const KernelConfig& c = config(g, "routed_grad_weight_kernel", r.M);  // block: BN x BK x BR
+  const KernelConfig& c = config(g, "routed_grad_weight_kernel", r.M, N, K);  // block: BN x BK x BR
   args.ptr(dy.t.data_ptr()).ptr(x.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
       .ptr(dw0.data_ptr()).ptr(dw1.data_ptr())
       .ptr(dbias ? db0.data_ptr() : r.perm.data_ptr()).ptr(dbias ? db1.data_ptr() : r.perm.data_ptr())
@@ -901,8 +904,17 @@ std::vector<VariantRequest> requestable_variants(int cc) {
   // next count up; keys are constant between them.
   std::set<int64_t> ms = {0, 1};
   for (int64_t b : {kOneBlockSmall, kOneBlockMid, kOneBlock}) ms.insert({b, b + 1});
-  for (size_t i = 0; i < kNumConfigs; ++i)
+  // The same for the shape classes' bounds on n and k (-1: a lookup that does not know the shape).
+  std::set<int64_t> ns = {-1, 1}, ks = {-1, 1};
+  for (size_t i = 0; i < kNumConfigs; ++i) {
     if (kConfigs[i].max_m >= 0) ms.insert({kConfigs[i].max_m, kConfigs[i].max_m + 1});
+    if (kConfigs[i].max_n >= 0) ns.insert({kConfigs[i].max_n, kConfigs[i].max_n + 1});
+    if (kConfigs[i].max_k >= 0) ks.insert({kConfigs[i].max_k, kConfigs[i].max_k + 1});
+  }
+  std::vector<std::array<int64_t, 3>> shapes;  // (m, n, k)
+  for (int64_t m : ms)
+    for (int64_t n : ns)
+      for (int64_t k : ks) shapes.push_back({m, n, k});
   for (bool aligned : {true, false}) {  // routing: no dtype
     for (int64_t m : ms)
       if (one_block_size(m) > 0)
@@ -922,16 +934,19 @@ std::vector<VariantRequest> requestable_variants(int cc) {
       out.insert({"swiglu_backward_kernel", swiglu_backward_key(g, f)});
     }
     out.insert({"expert_colsum_kernel", expert_colsum_key(g)});
-    for (int64_t m : ms) {
+    for (const auto& shape : shapes) {
+      const int64_t m = shape[0], n = shape[1], k = shape[2];
       // A bucket a launcher looks up; a missing one is reported as such (kernel_config would throw at run time).
       const auto cfg = [&](const char* kernel) -> const KernelConfig* {
-        const KernelConfig* c = find_config(kernel, family(g), cc, m);
-        if (!c) out.insert({kernel, "no config for m=" + std::to_string(m) + " (" + family(g) + ")"});
+        const KernelConfig* c = find_config(kernel, family(g), cc, m, n, k);
+        if (!c)
+          out.insert({kernel, "no config for m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" +
+                                  std::to_string(k) + " (" + family(g) + ")"});
         return c;
       };
       // Alternative designs: looked up with find_config, used where the bucket is not "off".
       const auto optional_cfg = [&](const char* kernel) -> const KernelConfig* {
-        const KernelConfig* c = find_config(kernel, family(g), cc, m);
+        const KernelConfig* c = find_config(kernel, family(g), cc, m, n, k);
         return c && !config_off(*c) ? c : nullptr;
       };
       const int64_t routes[] = {0, one_block_size(m)};  // the token-order GEMMs' ROUTE_BLOCK (0: routed already)

@@ -1,6 +1,8 @@
 #include "runtime/kernel_configs.h"
 
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string_view>
 #include <unordered_map>
@@ -41,18 +43,34 @@ int table_arch(int cc) {
   return (kNumArchs > 0 && kArchs[0] <= cc) ? kArchs[0] : -1;
 }
 
-const KernelConfig* find_config(const char* kernel, const char* family, int cc, int64_t m) {
+namespace {
+// Whether a class bound admits a size: no bound (-1) admits any, a bound admits known sizes (>= 0) up to it.
+bool admits(int64_t bound, int64_t size) { return bound < 0 || (size >= 0 && size <= bound); }
+
+// FUSED_SHAPE_CLASSES=0 (read once per process): every lookup takes the general class, as if the tables had no
+// shape classes. A benchmark knob: the classes' effect measured in one build (docs/perf.md).
+bool shape_classes_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("FUSED_SHAPE_CLASSES");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  return on;
+}
+}  // namespace
+
+const KernelConfig* find_config(const char* kernel, const char* family, int cc, int64_t m, int64_t n, int64_t k) {
   const int arch = table_arch(cc);
   if (arch < 0) return nullptr;
   auto it = index().find(Slot{kernel, family, arch});
   if (it == index().end()) return nullptr;
-  for (const KernelConfig* c : it->second)
-    if (c->max_m < 0 || m <= c->max_m) return c;
-  return nullptr;  // unreachable for a validated table (its last bucket has no bound)
+  if (!shape_classes_on()) n = k = -1;
+  for (const KernelConfig* c : it->second)  // first match, as aot/config_table.py pick
+    if (admits(c->max_n, n) && admits(c->max_k, k) && admits(c->max_m, m)) return c;
+  return nullptr;  // unreachable for a validated table (it ends with the general class's open bucket)
 }
 
-const KernelConfig& kernel_config(const char* kernel, const char* family, int cc, int64_t m) {
-  if (const KernelConfig* c = find_config(kernel, family, cc, m)) return *c;
+const KernelConfig& kernel_config(const char* kernel, const char* family, int cc, int64_t m, int64_t n, int64_t k) {
+  if (const KernelConfig* c = find_config(kernel, family, cc, m, n, k)) return *c;
   const int arch = table_arch(cc);
   throw std::invalid_argument(
       std::string("fused: no kernel config for ") + kernel + " (" + family + ") on a device of compute capability " +
@@ -67,7 +85,8 @@ double time_config_lookups(int64_t iters) {
   const auto t0 = std::chrono::steady_clock::now();
   uintptr_t sink = 0;
   for (int64_t i = 0; i < iters; ++i)
-    sink += reinterpret_cast<uintptr_t>(find_config("routed_linear_tma_kernel", "half", 90, 1 + (i & 0xffff)));
+    sink += reinterpret_cast<uintptr_t>(find_config("routed_linear_tma_kernel", "half", 90, 1 + (i & 0xffff),
+                                                    1024 + (i & 0x3fff), 4096));
   const auto t1 = std::chrono::steady_clock::now();
   volatile uintptr_t keep = sink;  // the loop's results are used: it cannot be optimized away
   (void)keep;

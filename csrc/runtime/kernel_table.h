@@ -55,19 +55,21 @@ extern const KernelVariant kVariants[];
 extern const size_t kNumVariants;
 extern const char* const kBuiltArchs;
 
-// One m bucket of a kernel's config table (aot/configs/sm<arch>.json, aot/config_table.py), for each architecture
-// this build holds. The launchers look configs up through runtime/kernel_configs.h.
+// One bucket of a kernel's config table (aot/configs/sm<arch>.json, aot/config_table.py), for each architecture
+// this build holds: its m range and shape class. The launchers look configs up through runtime/kernel_configs.h.
 struct KernelConfig {
   const char* kernel;  // "routed_linear_tma_kernel"
   const char* family;  // "half" (bf16, fp16) | "tf32" | "ieee" | "all"
   int arch;            // 90
-  int64_t max_m;       // the bucket serves m <= max_m; -1: every larger m (the last bucket)
+  int64_t max_m;       // the bucket serves m <= max_m; -1: every larger m (the last bucket of its class)
+  int64_t max_n;       // its shape class: GEMMs of n <= max_n output columns; -1: any n
+  int64_t max_k;       // and of reduction k <= max_k; -1: any k
   int block[3];        // the kernel's tile (its meaning per kernel: aot/config_table.py KERNELS)
   int group;           // GROUP_M / GROUP_N
   int warps, stages;
   const char* cfg;     // the "cfg=" value in the keys of the variants compiled from it
 };
-extern const KernelConfig kConfigs[];  // per (kernel, family, arch): buckets in increasing max_m
+extern const KernelConfig kConfigs[];  // per (kernel, family, arch): classes, each's buckets in increasing max_m
 extern const size_t kNumConfigs;
 extern const int kArchs[];  // the built architectures, increasing
 extern const size_t kNumArchs;
