@@ -14,7 +14,8 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
 * shapes: m (token rows; the reduction length for grad-weight) from --ms, times the projections of Llama-style
   models (--models: hidden / intermediate sizes of Llama-2 7B, 13B and 70B: linear N x K = H x H and H x I, swiglu
   I x H, grad-weight H x H and I x H; or `matrix`, the models of benchmarks/bench_matrix.py with their real
-  projections: GQA QKV, attention output, the MLP's down projection, and a tensor-parallel-8 slice of Llama-3-70B). 50% random routing mask (both experts busy); for m <= SINGLE_MAX_M the
+  projections: GQA QKV, attention output, the MLP's down projection, and a tensor-parallel-8 slice of Llama-3-70B).
+  50% random routing mask (both experts busy); for m <= SINGLE_MAX_M the
   linear and gate/up kernels are also measured with one expert (the Llama MLP's routing: perm = arange, x read in
   place; shapes named "..._single"), and a bucket's winner is the best over both routings.
 * candidates: CANDIDATES below plus every config the current table already uses for the kernel (so "default" is
@@ -420,18 +421,18 @@ def candidates(kernel, cands, table):
     return fam, out
 
 
+# kernel -> index of its row tile in block (the forward GEMMs)
+KERNEL_ROWS_IDX = {k: 0 for k in ("routed_linear_tma_kernel", "routed_swiglu_tma_kernel",
+                                  "routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel",
+                                  "routed_swiglu_pair_tma_kernel", "routed_linear_kernel", "routed_swiglu_kernel")}
+
+
 def fits_m(kernel, cfg, m):
     """Whether config cfg is worth measuring at m: row tiles under 64 rows are decode tiles (the A tile nearly all
     padding at small m), never a prefill winner, so they are measured at m <= 64 only. The grad-weight kernels' block
     is BN x BK x BR (no row tile): always."""
     rows = KERNEL_ROWS_IDX.get(kernel)
     return rows is None or m is None or m <= 64 or cfg["block"][rows] >= 64
-
-
-# kernel -> index of its row tile in block (the forward GEMMs)
-KERNEL_ROWS_IDX = {k: 0 for k in ("routed_linear_tma_kernel", "routed_swiglu_tma_kernel",
-                                  "routed_linear_gather_tma_kernel", "routed_swiglu_gather_tma_kernel",
-                                  "routed_swiglu_pair_tma_kernel", "routed_linear_kernel", "routed_swiglu_kernel")}
 
 
 def _raw_results(path, device):
@@ -523,7 +524,8 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc, passes=1):
                 if out:
                     out.write(json.dumps(rec) + "\n")
                     out.flush()
-                ms_s = f"{rec['ms']:.4f} ms" if rec.get("ms") else ("wrong" if rec.get("err") else rec.get("error", "-"))
+                ms_s = (f"{rec['ms']:.4f} ms" if rec.get("ms")
+                        else "wrong" if rec.get("err") else rec.get("error", "-"))
                 print(f"[tune] [{n_done}/{total}] {time.time() - t0:5.0f}s pass {p} {kernel} {sstr} {c}: {ms_s}",
                       flush=True)
             del prob

@@ -120,7 +120,8 @@ def test_the_paired_gate_up_is_on_only_where_it_beats_the_two_mma_kernel():
 
 
 def _linear(new):
-    return [({f: e[f] for f in ("max_n", "max_k", "max_m") if f in e}, ct.cfg_str(e)) for e in new["kernels"][K]["half"]]
+    return [({f: e[f] for f in ("max_n", "max_k", "max_m") if f in e}, ct.cfg_str(e))
+            for e in new["kernels"][K]["half"]]
 
 
 def test_a_shape_class_gets_its_own_buckets_where_its_best_configs_differ():
@@ -209,8 +210,8 @@ def test_a_later_pass_times_without_checking_first():
 
 
 def test_the_shipped_sm90_table_is_what_its_measurements_give():
-    """aot/configs/sm90.json's entries are the offline re-tune of aot/configs/sm90.measurements.jsonl by the
-    --offline command in its origin, starting from the table itself: the shipped table is reproducible from the raw log (and the
+    """aot/configs/sm90.json's entries are the offline re-tune of aot/configs/sm90.measurements.jsonl by the --offline
+    command in its origin, starting from the table itself: the shipped table is reproducible from the raw log (and the
     re-tune is stable: no config within the keep margin flips)."""
     table = ct.load(90)
     cmd = [shlex.split(q) for q in table["origin"].split("`") if q.startswith("python -m aot.tune --offline")][0]
