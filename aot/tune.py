@@ -2,7 +2,7 @@
 JIT (tuning time only; the built package never runs Triton) and writes the winners as the architecture's config table.
 
     python -m aot.tune [--ops linear,swiglu,grad_weight,rope] [--ms 1,16,64,256,1024,4096,16384]
-                       [--models 7b,13b,70b | matrix] [--classes 'n<=2048;k<=1024'] [--passes 2]
+                       [--models matrix | 7b,13b,70b] [--classes 'n<=2048;k<=1024'] [--passes 2]
                        [--results tune_sm90.jsonl] [--write aot/configs/sm90.json] [--rep 20] [--budget-s SECONDS]
 
 then rebuild (`bash scripts/retune.sh` does both). What it does:
@@ -11,10 +11,10 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
   replace: linear_gather / swiglu_gather (x gathered inside the GEMM; against linear / swiglu plus the gather copy)
   and swiglu_pair (gate and up in one MMA; against swiglu); --write turns each on per m where it wins. bf16 inputs:
   the "half" family (fp16 runs the same MMA shapes); the fp32 families keep their table entries.
-* shapes: m (token rows; the reduction length for grad-weight) from --ms, times the projections of Llama-style
-  models (--models: hidden / intermediate sizes of Llama-2 7B, 13B and 70B: linear N x K = H x H and H x I, swiglu
-  I x H, grad-weight H x H and I x H; or `matrix`, the models of benchmarks/bench_matrix.py with their real
-  projections: GQA QKV, attention output, the MLP's down projection, and a tensor-parallel-8 slice of Llama-3-70B).
+* shapes: m (token rows; the reduction length for grad-weight) from --ms, times the projections of the models of
+  --models: `matrix` (the default), the models of benchmarks/bench_matrix.py with their real projections (GQA QKV,
+  attention output, the MLP's down projection, a tensor-parallel-8 slice of Llama-3-70B), or Llama-2 7B, 13B and 70B
+  by hidden / intermediate size (linear N x K = H x H and H x I, swiglu I x H, grad-weight H x H and I x H).
   50% random routing mask (both experts busy); for m <= SINGLE_MAX_M the
   linear and gate/up kernels are also measured with one expert (the Llama MLP's routing: perm = arange, x read in
   place; shapes named "..._single"), and a bucket's winner is the best over both routings.
@@ -34,9 +34,10 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
   last bucket is open-ended). Buckets of m below the smallest m measured are kept from the table (a re-tune of
   prefill m leaves the decode buckets as they are). Kernels and families not measured keep their entries. The table
   is validated.
-* --classes 'n<=2048;k<=1024': shape classes to try (aot/config_table.py). Each shape belongs to the first class
-  that admits it, else to the general class; a class gets its own buckets, before the general ones, only where its
-  best config beats the general winner on its shapes by more than KEEP_MARGIN at some m.
+* --classes 'n<=2048;k<=1024': shape classes to try (aot/config_table.py; default: those the table already has).
+  Each shape belongs to the first class that admits it, else to the general class; a class gets its own buckets,
+  before the general ones, only where its best config beats the general winner on its shapes by more than KEEP_MARGIN
+  at some m.
   --offline redoes this from a result file without a GPU. --keep OLD.jsonl adds an earlier run's measurements of the
   m this run does not measure, so a partial re-tune (say --ms 1,4,16,64) rewrites the whole bucket list.
 """
@@ -606,6 +607,18 @@ def parse_classes(arg):
     return out
 
 
+def table_classes(table, kernels):
+    """The shape classes the table already has for these kernels (half family), in table order: a re-tune without
+    --classes keeps the table's structure."""
+    out = []
+    for kernel in kernels:
+        for e in ct.buckets(table, kernel, "half"):
+            c = ct.shape_class(e)
+            if c != (None, None) and c not in out:
+                out.append(c)
+    return out
+
+
 def _owner(classes, n, k):
     """The first of `classes` that admits a GEMM of n columns and reduction k, else None (the general class)."""
     for c in classes:
@@ -814,7 +827,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="linear,swiglu,grad_weight,rope")
     p.add_argument("--ms", default="1,16,64,256,1024,4096,16384", help="token counts (m buckets) to measure")
-    p.add_argument("--models", default="7b,13b,70b",
+    p.add_argument("--models", default=MATRIX,
                    help=f"models whose projections give N and K: {', '.join(MODELS)} (Llama-2), or {MATRIX} (every "
                         "model of benchmarks/bench_matrix.py) or one of its names")
     p.add_argument("--results", default=None, help="JSON-lines result file (resumable); default tune_sm<cc>.jsonl")
@@ -826,9 +839,10 @@ def main():
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new shapes after this many seconds")
     p.add_argument("--keep", default=None,
                    help="an earlier result file whose measurements of the m not measured now join this run's")
-    p.add_argument("--classes", default="",
+    p.add_argument("--classes", default=None,
                    help="shape classes to try, narrower first, e.g. 'n<=2048;k<=1024': each gets its own buckets where "
-                        "its best configs differ from the general class's by more than the keep margin")
+                        "its best configs differ from the general class's by more than the keep margin (default: the "
+                        "classes the table already has for these kernels; '' for none)")
     p.add_argument("--offline", action="store_true",
                    help="measure nothing: rebuild the report and --write from the --results file (no GPU needed)")
     a = p.parse_args()
@@ -849,9 +863,10 @@ def main():
         raise SystemExit(f"aot.tune: unknown --ops {sorted(set(ops) - known)} (here: {', '.join(sorted(known))})")
     models = model_names(a.models)
     ms_list = sorted(int(m) for m in a.ms.split(","))
-    classes = parse_classes(a.classes)
     arch = table_arch(cc)
     table = ct.load(arch)
+    classes = (parse_classes(a.classes) if a.classes is not None
+               else table_classes(table, [kernels_for(cc)[o][0] for o in ops]))
     results = a.results or f"tune_sm{cc}.jsonl"
     if a.offline:
         done = load_results(results, device)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-tunes the kernel configs for this machine's GPU and rebuilds with them, in one command:
-#   bash scripts/retune.sh [aot.tune options, e.g. --ops linear,swiglu --models 7b --budget-s 900]
+#   bash scripts/retune.sh [aot.tune options, e.g. --ops linear,linear_gather --ms 256,1024,4096 --passes 2 --budget-s 900]
 # 1. sets up .venv and builds as scripts/test.sh does (Triton is there: it is the build-time compiler);
 # 2. python -m aot.tune measures every candidate config on the GPU (resumable: results in tune_sm<cc>.jsonl; rerun
 #    the command to continue an interrupted search) and rewrites aot/configs/sm<arch>.json with the winners;

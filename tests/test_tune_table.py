@@ -148,6 +148,12 @@ def test_a_shape_class_gets_its_own_buckets_where_its_best_configs_differ():
     assert ct.cfg_str(ct.pick(new, K, "half", 200, 8192, 1024)) == A
 
 
+def test_a_retune_without_classes_keeps_the_tables_classes():
+    table = ct.load(90)
+    assert tune.table_classes(table, [K, "routed_linear_gather_tma_kernel"]) == [(2048, None), (None, 1024)]
+    assert tune.table_classes(table, ["routed_swiglu_tma_kernel"]) == []
+
+
 def test_classes_are_parsed_narrow_first():
     assert tune.parse_classes("n<=2048; k<=1024;n<=2048,k<=512") == [(2048, None), (None, 1024), (2048, 512)]
     assert tune.parse_classes("") == []
