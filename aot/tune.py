@@ -154,6 +154,9 @@ class Problem:
         dt = DTYPE
         self.tma = kernel.endswith("_tma_kernel")
         self.single = routing == "single"
+        # "dual_t": the grad-input GEMM dX = dY·W_e (W_TRANSPOSED), the same kernel and table entry as the forward:
+        # n = the weight's in-features, k = its out-features; W stacked [2, k, n]
+        self.transposed = routing == "dual_t"
         if self.single:  # what the ffn without a mask runs: every row expert 0, x read in place (no gather copy)
             self.mask = torch.zeros(m, dtype=torch.bool, device=DEV)
             self.perm, self.seg = route_single(m, DEV)
@@ -165,7 +168,7 @@ class Problem:
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
         g = lambda *s, scale=1.0: torch.randn(*s, device=DEV, dtype=dt) * scale  # noqa: E731
         if op in ("linear", "linear_gather"):
-            self.w = g(2, n, k, scale=k ** -0.5)
+            self.w = g(2, k, n, scale=k ** -0.5) if self.transposed else g(2, n, k, scale=k ** -0.5)
             make = lambda: (g(m, k), )  # noqa: E731
             nbytes = m * k * 2
         elif op in ("swiglu", "swiglu_gather", "swiglu_pair"):
@@ -214,10 +217,12 @@ class Problem:
             out = self.out
             if self.tma:
                 launch_routed_linear_tma(args[1], self.w, None, None, out, self.perm, self.seg, BM=bm_or_bn, BN=b1,
-                                         BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s)
+                                         BK=b2, GROUP_M=gm, num_programs=self.sms, num_warps=w, **fl, num_stages=s,
+                                         w_transposed=self.transposed)
             else:
                 launch_routed_linear(args[0], self.w[0], self.w[1], None, None, out, self.perm, self.seg, self.n,
-                                     self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w, num_stages=s)
+                                     self.k, BM=bm_or_bn, BN=b1, BK=b2, GROUP_M=gm, num_warps=w, num_stages=s,
+                                     w_transposed=self.transposed)
             return out
         if self.op == "swiglu_gather":
             launch_routed_swiglu_gather_tma(args[0], self.w1, self.w3, self.out, self.perm, self.seg, BM=bm_or_bn,
@@ -271,8 +276,9 @@ class Problem:
         x = a[0][rows].double()
         vis = self.mask[rows][:, None]
         if not swiglu:
-            ref = torch.where(vis, x @ self.w[1].double().T, x @ self.w[0].double().T)
-            return _rel(got[rows], ref)
+            w0, w1 = (self.w[0].double(), self.w[1].double()) if self.transposed else (self.w[0].double().T,
+                                                                                          self.w[1].double().T)
+            return _rel(got[rows], torch.where(vis, x @ w1, x @ w0))
         # h is expert-ordered: find each sampled token's row
         where = torch.empty(self.m, dtype=torch.long, device=DEV)
         where[self.rows] = torch.nonzero(self.perm >= 0).flatten()
@@ -294,7 +300,8 @@ class Problem:
         """cuBLAS on the same useful FLOPs (one expert's weights for every row), for the report."""
         a = self.sets[0]
         if self.op in ("linear", "linear_gather"):
-            return common.bench(lambda t: torch.nn.functional.linear(t, self.w[0]), args=[(a[0], )], warmup=5, rep=rep)
+            mm = (lambda t: t @ self.w[0]) if self.transposed else (lambda t: torch.nn.functional.linear(t, self.w[0]))
+            return common.bench(mm, args=[(a[0], )], warmup=5, rep=rep)
         if self.op.startswith("swiglu"):
             w13 = torch.cat([self.w1[0], self.w3[0]])
             return common.bench(lambda t: torch.nn.functional.linear(t, w13), args=[(a[0], )], warmup=5, rep=rep)
@@ -399,6 +406,8 @@ def shapes(op, ms, models):
         for name in models:
             nk = projections(op, name)
             out += [(m, n, k, "dual") for n, k in nk]
+            if op == "linear" and name not in MODELS:  # the matrix's backward: each projection's grad-input GEMM
+                out += [(m, k, n, "dual_t") for n, k in nk]
             if op in SINGLE_OPS and m <= SINGLE_MAX_M:
                 out += [(m, n, k, "single") for n, k in nk]
     return list(dict.fromkeys(out))
@@ -407,7 +416,7 @@ def shapes(op, ms, models):
 def shape_str(op, shape):
     if op == "rope":
         return shape
-    return "M{}_N{}_K{}".format(*shape[:3]) + ("_single" if shape[3] == "single" else "")
+    return "M{}_N{}_K{}".format(*shape[:3]) + {"single": "_single", "dual_t": "_t"}.get(shape[3], "")
 
 
 def candidates(kernel, cands, table):

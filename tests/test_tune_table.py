@@ -170,6 +170,11 @@ def test_matrix_models_give_the_matrix_projections():
     assert tune.projections("linear_gather", "llama3-70b-tp8") == [(1280, 8192), (8192, 1024)]
     assert tune.projections("linear", "llama3-8b") == [(6144, 4096), (4096, 4096), (4096, 14336)]
     assert tune.projections("swiglu_pair", "qwen2.5-7b") == [(18944, 3584)]
+    # the linear kernel's table entry also serves the grad-input GEMM (W transposed): measured as "_t" shapes
+    s = tune.shapes("linear", [256], ["llama3-70b-tp8"])
+    assert (256, 1024, 8192, "dual_t") in s and (256, 8192, 1280, "dual_t") in s
+    assert tune.shape_str("linear", (256, 1024, 8192, "dual_t")) == "M256_N1024_K8192_t"
+    assert tune._shape_nk("M256_N1024_K8192_t") == (1024, 8192)
     with pytest.raises(SystemExit, match="unknown --models"):
         tune.model_names("7b,gpt5")
 
@@ -198,6 +203,9 @@ prob = tune.Problem("linear", "routed_linear_tma_kernel", 256, 256, 256)
 cfg = {"block": [128, 128, 64], "group": 8, "warps": 4, "stages": 3}
 assert prob.time(cfg, 3) > 0  # no error() before it: the outputs are allocated by time() itself
 assert prob.error(cfg) < 2e-2
+# the grad-input orientation (W transposed) is checked against its own float64 reference
+t = tune.Problem("linear", "routed_linear_tma_kernel", 256, 384, 256, "dual_t")
+assert t.error(cfg) < 2e-2 and t.cublas_ms(3) > 0
 print("ok")
 """
 
