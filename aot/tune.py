@@ -2,7 +2,7 @@
 JIT (tuning time only; the built package never runs Triton) and writes the winners as the architecture's config table.
 
     python -m aot.tune [--ops linear,swiglu,grad_weight,rope] [--ms 1,16,64,256,1024,4096,16384]
-                       [--models matrix | 7b,13b,70b] [--classes 'n<=2048;k<=1024'] [--passes 2]
+                       [--models matrix | 7b,13b,70b] [--classes 'n<=2048;k<=1024'] [--passes 2] [--grad-input]
                        [--results tune_sm90.jsonl] [--write aot/configs/sm90.json] [--rep 20] [--budget-s SECONDS]
 
 then rebuild (`bash scripts/retune.sh` does both). What it does:
@@ -34,6 +34,9 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
   last bucket is open-ended). Buckets of m below the smallest m measured are kept from the table (a re-tune of
   prefill m leaves the decode buckets as they are). Kernels and families not measured keep their entries. The table
   is validated.
+* --grad-input: the linear kernel's table entry also serves the grad-input GEMM dX = dY·W_e (W_TRANSPOSED); with
+  it, those shapes are measured too ("M..._N..._K..._t", n = the weight's in-features) and the winners are chosen
+  over both orientations.
 * --classes 'n<=2048;k<=1024': shape classes to try (aot/config_table.py; default: those the table already has).
   Each shape belongs to the first class that admits it, else to the general class; a class gets its own buckets,
   before the general ones, only where its best config beats the general winner on its shapes by more than KEEP_MARGIN
@@ -397,8 +400,9 @@ def projections(op, name):
             "grad_weight": attn + [(I, H), (H, I)]}[op]
 
 
-def shapes(op, ms, models):
-    """(m, n, k, routing) per measurement of op; routing "dual" (50% random mask) or "single" (one expert)."""
+def shapes(op, ms, models, grad_input=False):
+    """(m, n, k, routing) per measurement of op; routing "dual" (50% random mask), "single" (one expert) or, with
+    grad_input, "dual_t" (the linear kernel's grad-input orientation on the matrix models' projections)."""
     if op == "rope":
         return list(RopeProblem.CASES)
     out = []
@@ -406,7 +410,7 @@ def shapes(op, ms, models):
         for name in models:
             nk = projections(op, name)
             out += [(m, n, k, "dual") for n, k in nk]
-            if op == "linear" and name not in MODELS:  # the matrix's backward: each projection's grad-input GEMM
+            if grad_input and op == "linear" and name not in MODELS:  # each projection's grad-input GEMM
                 out += [(m, k, n, "dual_t") for n, k in nk]
             if op in SINGLE_OPS and m <= SINGLE_MAX_M:
                 out += [(m, n, k, "single") for n, k in nk]
@@ -475,7 +479,7 @@ def load_results(path, device):
     return _aggregate(_raw_results(path, device))
 
 
-def search(ops, ms, models, results_path, rep, budget_s, table, cc, passes=1):
+def search(ops, ms, models, results_path, rep, budget_s, table, cc, passes=1, grad_input=False):
     """Measures every (shape, candidate) of the plan `passes` times, each pass after the last, the candidates of
     a shape in reverse order on even passes (a drift of the clock over a run does not favour the configs measured
     first); only the first pass checks results against float64. Returns the aggregated results."""
@@ -486,7 +490,7 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc, passes=1):
     for op in ops:
         kernel, cands = kmap[op]
         fam, cfgs = candidates(kernel, cands, table)
-        for shape in shapes(op, ms, models):
+        for shape in shapes(op, ms, models, grad_input):
             m = None if op == "rope" else shape[0]
             plan.append((op, kernel, fam, shape, {c: e for c, e in cfgs.items() if fits_m(kernel, e, m)}))
     per_pass = sum(len(c) + 1 + (op in GATHER_DESIGNS) for op, *_, c in plan)
@@ -707,12 +711,12 @@ def merge_kept(done, kept, ms_list, kernels):
     return {**kept, **done}, ms
 
 
-def restrict(done, ops, ms, models, cc):
+def restrict(done, ops, ms, models, cc, grad_input=False):
     """The measurements of the ops' kernels on the shapes of this run (--ops, --ms, --models) only: a result file
     may hold other runs' shapes (one file per architecture: aot/configs/sm<arch>.measurements.jsonl), and the table is
     the winners over the shapes asked for. Other kernels' records stay (an alternative design is compared with them)."""
     kmap = kernels_for(cc)
-    plan = {(kmap[op][0], shape_str(op, s)) for op in ops for s in shapes(op, ms, models)}
+    plan = {(kmap[op][0], shape_str(op, s)) for op in ops for s in shapes(op, ms, models, grad_input)}
     mine = {kmap[op][0] for op in ops}
     return {key: r for key, r in done.items() if key[0] not in mine or key[:2] in plan}
 
@@ -852,6 +856,9 @@ def main():
                    help="shape classes to try, narrower first, e.g. 'n<=2048;k<=1024': each gets its own buckets where "
                         "its best configs differ from the general class's by more than the keep margin (default: the "
                         "classes the table already has for these kernels; '' for none)")
+    p.add_argument("--grad-input", action="store_true",
+                   help="also measure (and choose over) the linear kernel's grad-input orientation, dX = dY·W_e, on "
+                        "the matrix models' projections (shapes M..._N..._K..._t): the same table entry serves both")
     p.add_argument("--offline", action="store_true",
                    help="measure nothing: rebuild the report and --write from the --results file (no GPU needed)")
     a = p.parse_args()
@@ -880,8 +887,8 @@ def main():
     if a.offline:
         done = load_results(results, device)
     else:
-        done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc, a.passes)
-    done = restrict(done, ops, ms_list, models, cc)
+        done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc, a.passes, a.grad_input)
+    done = restrict(done, ops, ms_list, models, cc, a.grad_input)
     if a.keep:
         done, ms_list = merge_kept(done, load_results(a.keep, device), ms_list, {kernels_for(cc)[o][0] for o in ops})
     report(done, ops, ms_list, table, cc, classes)

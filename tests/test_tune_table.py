@@ -171,8 +171,9 @@ def test_matrix_models_give_the_matrix_projections():
     assert tune.projections("linear", "llama3-8b") == [(6144, 4096), (4096, 4096), (4096, 14336)]
     assert tune.projections("swiglu_pair", "qwen2.5-7b") == [(18944, 3584)]
     # the linear kernel's table entry also serves the grad-input GEMM (W transposed): measured as "_t" shapes
-    s = tune.shapes("linear", [256], ["llama3-70b-tp8"])
+    s = tune.shapes("linear", [256], ["llama3-70b-tp8"], grad_input=True)
     assert (256, 1024, 8192, "dual_t") in s and (256, 8192, 1280, "dual_t") in s
+    assert all(r == "dual" for *_, r in tune.shapes("linear", [256], ["llama3-70b-tp8"]))  # opt-in
     assert tune.shape_str("linear", (256, 1024, 8192, "dual_t")) == "M256_N1024_K8192_t"
     assert tune._shape_nk("M256_N1024_K8192_t") == (1024, 8192)
     with pytest.raises(SystemExit, match="unknown --models"):
