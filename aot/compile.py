@@ -148,8 +148,9 @@ def _config_rows(archs) -> str:
             for fam, buckets in fams.items():
                 for e in buckets:  # an "off" bucket: cfg "off", zero sizes (the launchers check cfg first)
                     blk = ", ".join(str(b) for b in e.get("block", [0, 0, 0]))
+                    wt = -1 if e.get("w_transposed") is None else int(e["w_transposed"])
                     rows.append(f'{{"{kernel}", "{fam}", {arch}, {e.get("max_m", -1)}, {e.get("max_n", -1)}, '
-                                f'{e.get("max_k", -1)}, {{{blk}}}, {e.get("group", 1)}, '
+                                f'{e.get("max_k", -1)}, {wt}, {{{blk}}}, {e.get("group", 1)}, '
                                 f'{e.get("warps", 0)}, {e.get("stages", 0)}, "{config_table.cfg_str(e)}"}}')
     return ("const KernelConfig kConfigs[] = {\n  " + ",\n  ".join(rows) + "};\n"
             f"const size_t kNumConfigs = {len(rows)};\n"

@@ -15,7 +15,8 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
   (the reduction length for the grad-weight kernels); the runtime takes the first bucket with m <= max_m.
 * shape classes (optional): buckets with `max_n` and / or `max_k` serve only calls whose GEMM has n <= max_n output
   columns and k <= max_k reduction length (the grad-weight kernels: the weight's rows and columns, nn.Linear's
-  [n, k]). A class is a run of consecutive buckets with the same bounds, increasing in max_m and closed by a bucket
+  [n, k]); `"w_transposed": true / false` (the linear GEMMs, ORIENTED below) serves only the grad-input GEMM
+  dX = dY·W_e (W transposed) / only the forward. A class is a run of consecutive buckets with the same bounds, increasing in max_m and closed by a bucket
   without max_m; the list ends with the general class (no max_n / max_k). The runtime takes the first class whose
   bounds hold, then its bucket for m: the same first-match rule over the whole list. Classes exist where the best
   config differs with the shape (narrow N leaves a wave of wide tiles mostly empty; short K gives the epilogue more
@@ -80,9 +81,14 @@ PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_li
 # SPLIT_CONFIG where the table's "split" says so (constexpr SPLIT_TAIL), ALWAYS_SPLIT in every config
 SPLIT_CONFIG = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"}
 ALWAYS_SPLIT = {"routed_swiglu_pair_tma_kernel"}
-_ENTRY_FIELDS = {"max_m", "max_n", "max_k", "block", "group", "warps", "stages", "flatten", "split", "why", "off"}
-CLASS_FIELDS = ("max_n", "max_k")  # the shape-class bounds, in the order a class is named
-ORDER = ("max_n", "max_k", "max_m", "off", "block", "group", "warps", "stages", "flatten", "split", "why")
+_ENTRY_FIELDS = {"max_m", "max_n", "max_k", "w_transposed", "block", "group", "warps", "stages", "flatten", "split",
+                 "why", "off"}
+CLASS_FIELDS = ("max_n", "max_k", "w_transposed")  # a shape class's keys, in the order a class is named
+GENERAL = (None, None, None)  # the general class: no bound
+ORDER = ("max_n", "max_k", "w_transposed", "max_m", "off", "block", "group", "warps", "stages", "flatten", "split",
+         "why")
+# the kernels with a W_TRANSPOSED constexpr (forward and grad-input GEMM): their classes may key on the orientation
+ORIENTED = {"routed_linear_kernel", "routed_linear_tma_kernel"}
 
 
 def family(dtype: str, prec: str) -> str:
@@ -141,10 +147,14 @@ def validate(table: Dict, where: str = "config table") -> Dict:
                 else:
                     _check_config(e, name, row_idx, fail, at)
                 for f in CLASS_FIELDS:
-                    if f in e and not (isinstance(e[f], int) and e[f] > 0):
+                    if f in e and f != "w_transposed" and not (isinstance(e[f], int) and not isinstance(e[f], bool)
+                                                               and e[f] > 0):
                         fail(f"{at}: '{f}' must be a positive integer, got {e[f]!r}")
                     if f in e and name == "rope_kernel":
                         fail(f"{at}: rope_kernel has no shape classes ('{f}')")
+                if "w_transposed" in e and (name not in ORIENTED or not isinstance(e["w_transposed"], bool)):
+                    fail(f"{at}: 'w_transposed' is a bool, and only for {', '.join(sorted(ORIENTED))} (the GEMMs that "
+                         "serve the forward and, with W transposed, the grad-input)")
                 last_of_class = i + 1 == len(buckets) or shape_class(buckets[i + 1]) != shape_class(e)
                 if not last_of_class:
                     m = e.get("max_m")
@@ -163,21 +173,22 @@ def validate(table: Dict, where: str = "config table") -> Dict:
 
 
 def shape_class(e: Dict):
-    """A bucket's class: its (max_n, max_k), None where unbounded."""
+    """A bucket's class: its (max_n, max_k, w_transposed), None where unbounded (either orientation)."""
     return tuple(e.get(f) for f in CLASS_FIELDS)
 
 
 def _covers(a, b) -> bool:
-    """Whether class bounds a hold for every shape that class bounds b admit (None: unbounded)."""
-    return all(x is None or (y is not None and y <= x) for x, y in zip(a, b))
+    """Whether class a admits every shape that class b admits (None: unbounded)."""
+    (an, ak, at), (bn, bk, bt) = a, b
+    return all(x is None or (y is not None and y <= x) for x, y in ((an, bn), (ak, bk))) and (at is None or at == bt)
 
 
 def _check_classes(buckets: List[Dict], where: str, fail) -> None:
     """Classes are runs of consecutive buckets; each appears once, the last is the general one, and none is hidden
     behind an earlier class that admits every shape it does (first match: it would never be taken)."""
     runs = [shape_class(e) for i, e in enumerate(buckets) if i == 0 or shape_class(buckets[i - 1]) != shape_class(e)]
-    if runs[-1] != (None, None):
-        fail(f"{where}: the last class must be the general one (no max_n / max_k)")
+    if runs[-1] != GENERAL:
+        fail(f"{where}: the last class must be the general one (no max_n / max_k / w_transposed)")
     for i, c in enumerate(runs):
         if c in runs[:i]:
             fail(f"{where}: class {class_str(c)} appears twice: a class's buckets must be consecutive")
@@ -188,14 +199,18 @@ def _check_classes(buckets: List[Dict], where: str, fail) -> None:
 
 
 def class_str(c) -> str:
-    """'n<=2048', 'n<=2048,k<=1024', or 'general'."""
-    parts = [f"{f[-1]}<={v}" for f, v in zip(CLASS_FIELDS, c) if v is not None]
+    """'n<=2048', 'n<=2048,k<=1024', 'n<=2048,t' (the grad-input orientation), 'f' (the forward), or 'general'."""
+    n, k, t = (tuple(c) + (None, ) * 3)[:3]
+    parts = [f"n<={n}"] * (n is not None) + [f"k<={k}"] * (k is not None) + [{True: "t", False: "f"}.get(t, "")] * (
+        t is not None)
     return ",".join(parts) or "general"
 
 
-def in_class(e: Dict, n, k) -> bool:
-    """Whether bucket e's class admits a GEMM of n columns and reduction k (None: unknown, the general class only)."""
-    return all(e.get(f) is None or (v is not None and v <= e[f]) for f, v in zip(CLASS_FIELDS, (n, k)))
+def in_class(e: Dict, n, k, wt=None) -> bool:
+    """Whether bucket e's class admits a GEMM of n columns and reduction k in orientation wt (True: the grad-input,
+    W transposed; None: unknown). An unknown size or orientation is admitted by the unbounded classes only."""
+    return (all(e.get(f) is None or (v is not None and v <= e[f]) for f, v in (("max_n", n), ("max_k", k)))
+            and (e.get("w_transposed") is None or (wt is not None and wt == e["w_transposed"])))
 
 
 def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
@@ -237,11 +252,11 @@ def buckets(table: Dict, kernel: str, fam: str) -> List[Dict]:
     return table["kernels"].get(kernel, {}).get(fam, [])
 
 
-def pick(table: Dict, kernel: str, fam: str, m: int, n=None, k=None) -> Dict:
-    """The bucket the runtime takes for m rows of a GEMM with n output columns and reduction k (what
-    csrc/runtime/kernel_configs.cpp does; n or k None: the general class)."""
+def pick(table: Dict, kernel: str, fam: str, m: int, n=None, k=None, wt=None) -> Dict:
+    """The bucket the runtime takes for m rows of a GEMM with n output columns and reduction k, wt True for the
+    grad-input orientation (what csrc/runtime/kernel_configs.cpp does; None: unknown, the unbounded classes only)."""
     for e in buckets(table, kernel, fam):
-        if in_class(e, n, k) and ("max_m" not in e or m <= e["max_m"]):
+        if in_class(e, n, k, wt) and ("max_m" not in e or m <= e["max_m"]):
             return e
     raise KeyError(f"sm_{table['arch']} table has no config for {kernel}/{fam}")
 

@@ -559,14 +559,20 @@ KEEP_MARGIN = 1.02  # a challenger must beat the table's current config by 2% (g
 
 
 def _shape_nk(sstr):
-    """(n, k) of a shape string "M256_N1280_K8192[_single]"."""
+    """(n, k) of a shape string "M256_N1280_K8192[_single | _t]"."""
     mt = re.match(r"M\d+_N(\d+)_K(\d+)", sstr)
     return (int(mt.group(1)), int(mt.group(2))) if mt else (None, None)
 
 
+def _shape_wt(sstr):
+    """Whether a shape is the grad-input orientation (W transposed): shape strings ending in "_t"."""
+    return sstr.endswith("_t")
+
+
 def _scores(done, kernel, ms_list, admit=None):
     """m -> ({cfg: geomean of time / the shape's best time}, {shape: {cfg: ms}}) over the kernel's shapes of m that
-    admit(n, k) accepts (all without it), for the configs measured on every one of them."""
+    admit(n, k, wt) accepts (all without it; wt: the grad-input orientation), for the configs measured on every one of
+    them."""
     by_m = {}
     for (k, sstr, c), r in done.items():
         if k != kernel or c in REFERENCES:
@@ -574,7 +580,7 @@ def _scores(done, kernel, ms_list, admit=None):
         m = None if kernel == "rope_kernel" else r["m"]
         if m is not None and m not in ms_list:
             continue
-        if admit is not None and not admit(r.get("n"), r.get("k")):
+        if admit is not None and not admit(r.get("n"), r.get("k"), _shape_wt(sstr)):
             continue
         by_m.setdefault(m, {}).setdefault(sstr, {})[c] = r.get("ms")
     out = {}
@@ -590,7 +596,7 @@ def _scores(done, kernel, ms_list, admit=None):
 
 def winners(done, kernel, ms_list, incumbent=None, admit=None):
     """m -> (cfg, geomean ratio, per-shape times) for the kernel's measured m (one key, None, for rope), over the
-    shapes admit(n, k) accepts (every shape without it). incumbent(m) -> the current table's cfg for m: kept unless
+    shapes admit(n, k, wt) accepts (every shape without it). incumbent(m) -> the current table's cfg for m: kept unless
     the best is KEEP_MARGIN faster."""
     out = {}
     for m, (score, per_shape) in _scores(done, kernel, ms_list, admit).items():
@@ -603,20 +609,22 @@ def winners(done, kernel, ms_list, incumbent=None, admit=None):
 
 
 def parse_classes(arg):
-    """--classes "n<=2048;k<=1024;n<=2048,k<=1024" -> [(2048, None), (None, 1024), (2048, 1024)]: the shape classes
-    to try, in the table's order (narrower first: a shape belongs to the first class that admits it)."""
+    """--classes "n<=2048;k<=1024;n<=2048,t" -> [(2048, None, None), (None, 1024, None), (2048, None, True)]: the shape
+    classes to try, in the table's order (narrower first: a shape belongs to the first class that admits it). "t":
+    the grad-input orientation only (W transposed), "f": the forward only."""
     out = []
     for part in (p.strip() for p in (arg or "").split(";")):
         if not part:
             continue
         bounds = {}
         for b in part.split(","):
-            mt = re.fullmatch(r"\s*([nk])\s*<=\s*(\d+)\s*", b)
-            if not mt or int(mt.group(2)) <= 0 or mt.group(1) in bounds:
-                raise SystemExit(f"aot.tune: --classes: {part!r} is not a class such as 'n<=2048' or "
-                                 "'n<=2048,k<=1024'")
-            bounds[mt.group(1)] = int(mt.group(2))
-        out.append((bounds.get("n"), bounds.get("k")))
+            mt = re.fullmatch(r"\s*(?:([nk])\s*<=\s*(\d+)|([tf]))\s*", b)
+            key = mt and (mt.group(1) or "wt")
+            if not mt or key in bounds or (mt.group(2) is not None and int(mt.group(2)) <= 0):
+                raise SystemExit(f"aot.tune: --classes: {part!r} is not a class such as 'n<=2048', 'n<=2048,k<=1024' "
+                                 "or 'n<=2048,t'")
+            bounds[key] = int(mt.group(2)) if mt.group(1) else mt.group(3) == "t"
+        out.append((bounds.get("n"), bounds.get("k"), bounds.get("wt")))
     return out
 
 
@@ -627,15 +635,16 @@ def table_classes(table, kernels):
     for kernel in kernels:
         for e in ct.buckets(table, kernel, "half"):
             c = ct.shape_class(e)
-            if c != (None, None) and c not in out:
+            if c != ct.GENERAL and c not in out:
                 out.append(c)
     return out
 
 
-def _owner(classes, n, k):
-    """The first of `classes` that admits a GEMM of n columns and reduction k, else None (the general class)."""
+def _owner(classes, n, k, wt=None):
+    """The first of `classes` that admits a GEMM of n columns and reduction k in orientation wt, else None (the
+    general class)."""
     for c in classes:
-        if ct.in_class(dict(zip(ct.CLASS_FIELDS, c)), n, k):
+        if ct.in_class(dict(zip(ct.CLASS_FIELDS, c)), n, k, wt):
             return c
     return None
 
@@ -646,11 +655,11 @@ def class_winners(done, kernel, ms_list, table, fam, classes):
     is within KEEP_MARGIN of the class's own best on the class's shapes, or where nothing of it was measured."""
     kept = list(classes)
     while True:
-        admit_general = lambda n, k: _owner(kept, n, k) is None  # noqa: E731
+        admit_general = lambda n, k, wt: _owner(kept, n, k, wt) is None  # noqa: E731
         general = winners(done, kernel, ms_list, _incumbent(table, kernel, fam), admit_general)
         out, drop = [], []
         for c in kept:
-            admit = lambda n, k, c=c: _owner(kept, n, k) == c  # noqa: E731
+            admit = lambda n, k, wt, c=c: _owner(kept, n, k, wt) == c  # noqa: E731
             win = winners(done, kernel, ms_list, _incumbent(table, kernel, fam, c), admit)
             scores = _scores(done, kernel, ms_list, admit)
             worth = any(m not in general or general[m][0] not in scores[m][0]
@@ -675,7 +684,7 @@ def _design_choice(done, win, new_table, kmap, op):
     for m, (cfg, score, per_shape) in win.items():
         ratios = []
         for sstr, ms in per_shape.items():
-            other = ct.cfg_str(ct.pick(new_table, tma_kernel, "half", m, *_shape_nk(sstr)))
+            other = ct.cfg_str(ct.pick(new_table, tma_kernel, "half", m, *_shape_nk(sstr), False))
             t = done.get((tma_kernel, sstr, other), {}).get("ms")
             gc = done.get((kmap[op][0], sstr, "gather copy"), {}).get("ms") if copy else 0.0
             if not t or gc is None:
@@ -694,10 +703,10 @@ def _design_choice(done, win, new_table, kmap, op):
 
 
 def _incumbent(table, kernel, fam, cls=None):
-    """m -> the table's config for m (in shape class cls: (max_n, max_k), None for the general class)."""
+    """m -> the table's config for m (in shape class cls: (max_n, max_k, w_transposed), None for the general class)."""
     def cur(m):
         try:
-            return ct.cfg_str(ct.pick(table, kernel, fam, m or 1, *(cls or (None, None))))
+            return ct.cfg_str(ct.pick(table, kernel, fam, m or 1, *(cls or ct.GENERAL)))
         except KeyError:
             return None
     return cur
@@ -730,8 +739,8 @@ def _kept_below(table, kernel, fam, cls, lo):
     """The table's buckets of class cls (or, for a class it does not have, of its general class) that serve only m
     below lo: a re-tune that did not measure those m keeps them."""
     old = ct.buckets(table, kernel, fam)
-    run = [e for e in old if ct.shape_class(e) == (cls or (None, None))]
-    run = run or [e for e in old if ct.shape_class(e) == (None, None)]
+    run = [e for e in old if ct.shape_class(e) == (cls or ct.GENERAL)]
+    run = run or [e for e in old if ct.shape_class(e) == ct.GENERAL]
     return [{k: v for k, v in e.items() if k not in ct.CLASS_FIELDS} for e in run if e.get("max_m", lo) < lo]
 
 
@@ -750,10 +759,10 @@ def _buckets(win, cfgs, why, cls, below=()):
     if all(b.get("off") for b in buckets):
         buckets = [{"off": True}]
     for b in buckets:
-        w = why.get((cls or (None, None), ct.cfg_str(b)))
+        w = why.get((cls or ct.GENERAL, ct.cfg_str(b)))
         if w:  # an unchanged config keeps its explanation
             b["why"] = w
-        b.update({f: v for f, v in zip(ct.CLASS_FIELDS, cls or (None, None)) if v is not None})
+        b.update({f: v for f, v in zip(ct.CLASS_FIELDS, cls or ct.GENERAL) if v is not None})
     return [{k: b[k] for k in ct.ORDER if k in b} for b in buckets]
 
 
@@ -774,7 +783,7 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv, classes=()):
             continue
         if kernel == "rope_kernel":
             e = dict(cfgs[per_class[-1][1][None][0]])
-            w = why.get(((None, None), ct.cfg_str(e)))
+            w = why.get((ct.GENERAL, ct.cfg_str(e)))
             new["kernels"].setdefault(kernel, {})[fam] = [dict(e, why=w) if w else e]
             continue
         buckets = []
@@ -816,11 +825,12 @@ def report(done, ops, ms_list, table, cc, classes=()):
                 continue
             m = None if kernel == "rope_kernel" else r["m"]
             n, kk = (None, None) if m is None else (r.get("n"), r.get("k"))
-            win = win_of[_owner(kept, n, kk)]
+            wt = None if m is None else _shape_wt(sstr)
+            win = win_of[_owner(kept, n, kk, wt)]
             if m not in win or c != win[m][0]:
                 continue
             try:
-                dflt = ct.cfg_str(ct.pick(table, kernel, fam, m or 1, n, kk))
+                dflt = ct.cfg_str(ct.pick(table, kernel, fam, m or 1, n, kk, wt))
             except KeyError:
                 dflt = "-"
             d_ms = done.get((kernel, sstr, dflt), {}).get("ms")

@@ -86,12 +86,14 @@ TORCH_LIBRARY(fused, m) {
   m.def("built_archs() -> str", []() { return std::string(fused::built_archs()); });
   // The block config ("128x256x64_g8_w8_s3") the launchers pick for `kernel` (e.g. "routed_linear_tma_kernel"),
   // family ("half" = bf16/fp16, "tf32", "ieee"; "all" for rope_kernel) and m rows of a GEMM with n output columns and
-  // reduction k (-1: unknown, the general class) on a device of compute capability cc (e.g. 90), from the tables of
-  // aot/configs/ compiled into this build. Needs no GPU.
-  m.def("kernel_config(str kernel, str family, int cc, int m, int n=-1, int k=-1) -> str",
-        [](const std::string& kernel, const std::string& family, int64_t cc, int64_t m, int64_t n, int64_t k) {
-          return std::string(
-              fused::kernel_config(kernel.c_str(), family.c_str(), static_cast<int>(cc), m, n, k).cfg);
+  // reduction k (-1: unknown, the general class), wt the linear GEMMs' orientation (1: the grad-input, W transposed;
+  // 0: the forward; -1: unknown) on a device of compute capability cc (e.g. 90), from the tables of aot/configs/
+  // compiled into this build. Needs no GPU.
+  m.def("kernel_config(str kernel, str family, int cc, int m, int n=-1, int k=-1, int wt=-1) -> str",
+        [](const std::string& kernel, const std::string& family, int64_t cc, int64_t m, int64_t n, int64_t k,
+           int64_t wt) {
+          return std::string(fused::kernel_config(kernel.c_str(), family.c_str(), static_cast<int>(cc), m, n, k,
+                                                  static_cast<int>(wt)).cfg);
         });
   // Diagnostic for benchmarks/bench_config_lookup.py: mean nanoseconds of one launcher-side lookup (find_config, as
   // the launchers call it: a hash lookup and a bucket scan), over `iters` lookups cycling through m = 1 .. 2^16.

@@ -94,7 +94,8 @@ def test_off_buckets_turn_the_alternative_design_off_at_run_time(kernel):
     assert buckets, f"the sm_90 table lists no buckets for {kernel}"
     for e in buckets:
         m = e.get("max_m", 1 << 30)
-        assert fused_ops.kernel_config(kernel, "half", m, 90, n=e.get("max_n"), k=e.get("max_k")) == ct.cfg_str(e)
+        assert fused_ops.kernel_config(kernel, "half", m, 90, n=e.get("max_n"), k=e.get("max_k"),
+                                       w_transposed=e.get("w_transposed")) == ct.cfg_str(e)
 
 
 _A = {"block": [128, 256, 64], "group": 8, "warps": 8, "stages": 3}
@@ -120,7 +121,8 @@ def test_shape_classes_pick_the_first_class_that_admits_the_shape():
     assert pick(256, 8192, 1024) == ct.cfg_str(_C)  # short K
     assert pick(256, 2049, 4096) == pick(256) == ct.cfg_str(_A)  # the general class; unknown shape: general
     assert pick(64, 4096, 4096) == pick(64) == ct.cfg_str(_B)
-    assert ct.class_str((2048, None)) == "n<=2048" and ct.class_str((None, None)) == "general"
+    assert ct.class_str((2048, None, None)) == "n<=2048" and ct.class_str(ct.GENERAL) == "general"
+    assert ct.class_str((2048, None, True)) == "n<=2048,t" and ct.class_str((None, 1024, False)) == "k<=1024,f"
 
 
 @pytest.mark.parametrize("buckets, message", [
@@ -129,6 +131,8 @@ def test_shape_classes_pick_the_first_class_that_admits_the_shape():
     ([dict(_B, max_n=2048), dict(_C, max_k=512), dict(_B, max_n=2048), dict(_A)], "appears twice"),
     ([dict(_B, max_n=4096), dict(_C, max_n=2048), dict(_A)], "is never taken: n<=4096 before it"),
     ([dict(_B, max_n=0), dict(_A)], "'max_n' must be a positive integer"),
+    ([dict(_B, w_transposed=1), dict(_A)], "'w_transposed' is a bool"),
+    ([dict(_B, w_transposed=True), dict(_C, max_n=2048, w_transposed=True), dict(_A)], "is never taken: t before it"),
     ([dict(_B, max_n=2048, max_m=256), dict(_C, max_n=2048, max_m=128), dict(_B, max_n=2048), dict(_A)],
      "above the previous one"),
 ])
@@ -136,6 +140,18 @@ def test_shape_classes_are_checked(buckets, message):
     with pytest.raises(ValueError) as e:
         ct.validate(_classed(buckets), "t.json")
     assert message in str(e.value)
+
+
+def test_an_orientation_class_serves_only_its_orientation():
+    """w_transposed: the linear GEMMs serve the forward and, with W transposed, the grad-input; a class may key on it.
+    A lookup that does not know the orientation takes the classes of either."""
+    t = ct.validate(_classed([dict(_B, max_n=2048, w_transposed=True), dict(_C, max_n=2048), dict(_A)]))
+    pick = lambda wt: ct.cfg_str(ct.pick(t, "routed_linear_tma_kernel", "half", 512, 1024, 8192, wt))  # noqa: E731
+    assert pick(True) == ct.cfg_str(_B) and pick(False) == pick(None) == ct.cfg_str(_C)
+    g = copy.deepcopy(TABLES[90])
+    g["kernels"]["routed_linear_gather_tma_kernel"]["half"] = [dict(_B, w_transposed=False), dict(_A)]
+    with pytest.raises(ValueError, match="'w_transposed' is a bool, and only for routed_linear_kernel"):
+        ct.validate(g)  # the gather GEMM serves the forward only
 
 
 def test_classes_of_an_optional_kernel_may_turn_it_off_and_rope_has_none():
@@ -249,12 +265,13 @@ def test_runtime_lookup_matches_the_tables(cc):
     for kernel, fams in table["kernels"].items():
         for fam, buckets in fams.items():
             # every class edge on n and k, and None: a lookup that does not know the shape (the general class)
-            ns, ks = ({None, 1} | {b[f] + d for b in buckets if f in b for d in (0, 1)} for f in ct.CLASS_FIELDS)
+            ns, ks = ({None, 1} | {b[f] + d for b in buckets if f in b for d in (0, 1)} for f in ("max_n", "max_k"))
             for m in MS:
                 for n in ns:
                     for k in ks:
-                        assert fused_ops.kernel_config(kernel, fam, m, cc, n=n, k=k) == \
-                            ct.cfg_str(ct.pick(table, kernel, fam, m, n, k)), (kernel, fam, m, n, k, cc)
+                        for wt in (None, False, True):
+                            assert fused_ops.kernel_config(kernel, fam, m, cc, n=n, k=k, w_transposed=wt) == \
+                                ct.cfg_str(ct.pick(table, kernel, fam, m, n, k, wt)), (kernel, fam, m, n, k, wt, cc)
 
 
 def test_runtime_lookup_errors_name_what_is_missing():

@@ -134,7 +134,7 @@ def test_a_shape_class_gets_its_own_buckets_where_its_best_configs_differ():
         recs += [_rec(m, 1280, A, 2.0 if m == 256 else 1.0), _rec(m, 1280, C, 1.0 if m == 256 else 1.3)]
         recs += [_rec(m, 8192, A, 1.0, k=1024), _rec(m, 8192, C, 1.4, k=1024)]
     base = ct.load(90)  # a table without classes: its general buckets only
-    base["kernels"][K]["half"] = [e for e in base["kernels"][K]["half"] if ct.shape_class(e) == (None, None)]
+    base["kernels"][K]["half"] = [e for e in base["kernels"][K]["half"] if ct.shape_class(e) == ct.GENERAL]
     new = tune.write_table("/dev/null", base, _done(recs), ["linear"], [256, 4096], 90, "GPU X", [],
                            tune.parse_classes("n<=2048;k<=1024"))
     kept_below = [(dict(max_m=e["max_m"]), ct.cfg_str(e)) for e in base["kernels"][K]["half"]
@@ -150,14 +150,17 @@ def test_a_shape_class_gets_its_own_buckets_where_its_best_configs_differ():
 
 def test_a_retune_without_classes_keeps_the_tables_classes():
     table = ct.load(90)
-    assert tune.table_classes(table, [K, "routed_linear_gather_tma_kernel"]) == [(2048, None), (None, 1024)]
+    assert set(tune.table_classes(table, [K, "routed_linear_gather_tma_kernel"])) >= {(2048, None, None),
+                                                                                      (None, 1024, None)}
     assert tune.table_classes(table, ["routed_swiglu_tma_kernel"]) == []
 
 
 def test_classes_are_parsed_narrow_first():
-    assert tune.parse_classes("n<=2048; k<=1024;n<=2048,k<=512") == [(2048, None), (None, 1024), (2048, 512)]
+    assert tune.parse_classes("n<=2048; k<=1024;n<=2048,k<=512") == [(2048, None, None), (None, 1024, None),
+                                                                     (2048, 512, None)]
+    assert tune.parse_classes("n<=2048,t;f") == [(2048, None, True), (None, None, False)]
     assert tune.parse_classes("") == []
-    for bad in ("n<2048", "m<=256", "n<=0", "n<=2048,n<=1024"):
+    for bad in ("n<2048", "m<=256", "n<=0", "n<=2048,n<=1024", "t,f", "x"):
         with pytest.raises(SystemExit, match="--classes"):
             tune.parse_classes(bad)
 
@@ -234,6 +237,7 @@ def test_the_shipped_sm90_table_is_what_its_measurements_give():
     ops, ms = arg("--ops").split(","), sorted(int(m) for m in arg("--ms").split(","))
     results = os.path.join(ROOT, arg("--results"))
     device = json.loads(open(results).readline())["device"]
-    done = tune.restrict(tune.load_results(results, device), ops, ms, tune.model_names(arg("--models")), 90)
+    done = tune.restrict(tune.load_results(results, device), ops, ms, tune.model_names(arg("--models")), 90,
+                         "--grad-input" in cmd)
     new = tune.write_table("/dev/null", table, done, ops, ms, 90, device, [], tune.parse_classes(arg("--classes")))
     assert new["kernels"] == table["kernels"]

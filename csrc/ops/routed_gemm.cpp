@@ -48,10 +48,10 @@ const char* family(const Gemm& g) {
   if (g.dt != "fp32") return "half";
   return g.prec == "tf32" ? "tf32" : "ieee";
 }
-// n, k: the GEMM's output columns and reduction length (the grad-weight kernels: the weight's [n, k]), the keys of
-// the table's shape classes.
-const KernelConfig& config(const Gemm& g, const char* kernel, int64_t m, int64_t n, int64_t k) {
-  return kernel_config(kernel, family(g), g.cc, m, n, k);
+// n, k: the GEMM's output columns and reduction length (the grad-weight kernels: the weight's [n, k]), and wt the
+// linear GEMMs' orientation (1: the grad-input, W transposed; 0: the forward): the keys of the table's shape classes.
+const KernelConfig& config(const Gemm& g, const char* kernel, int64_t m, int64_t n, int64_t k, int wt = -1) {
+  return kernel_config(kernel, family(g), g.cc, m, n, k, wt);
 }
 
 // gather_rows_kernel's BLOCK_R (kernels/gather_rows.py GATHER_ROWS, in the key as "rows"); divides kAlign.
@@ -569,7 +569,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   ensure_routed(r);
   if (tma) {
     const at::Tensor ap = tma_rows(g, r, a);
-    const KernelConfig& c = config(g, "routed_linear_tma_kernel", r.M, n, k);
+    const KernelConfig& c = config(g, "routed_linear_tma_kernel", r.M, n, k, w_transposed ? 1 : 0);
     const Experts::Stacked& st = w.stacked();
     args.tensor(ap.data_ptr(), {ap.size(0), k}, {ap.stride(0), 1})
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
@@ -583,7 +583,7 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
                              args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
   } else {
     TORCH_INTERNAL_ASSERT(!r.identity);
-    const KernelConfig& c = config(g, "routed_linear_kernel", r.M, n, k);
+    const KernelConfig& c = config(g, "routed_linear_kernel", r.M, n, k, w_transposed ? 1 : 0);
     args.ptr(a.t.data_ptr()).ptr(w.text().data_ptr()).ptr(w.vision().data_ptr()).ptr(b0).ptr(b1).ptr(out.t.data_ptr())
         .ptr(res).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
         .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(w.ld()).i32(out.t.stride(0));
@@ -911,10 +911,11 @@ std::vector<VariantRequest> requestable_variants(int cc) {
     if (kConfigs[i].max_n >= 0) ns.insert({kConfigs[i].max_n, kConfigs[i].max_n + 1});
     if (kConfigs[i].max_k >= 0) ks.insert({kConfigs[i].max_k, kConfigs[i].max_k + 1});
   }
-  std::vector<std::array<int64_t, 3>> shapes;  // (m, n, k)
+  std::vector<std::array<int64_t, 4>> shapes;  // (m, n, k, orientation: -1 unknown, 0 forward, 1 grad-input)
   for (int64_t m : ms)
     for (int64_t n : ns)
-      for (int64_t k : ks) shapes.push_back({m, n, k});
+      for (int64_t k : ks)
+        for (int64_t wt : {-1, 0, 1}) shapes.push_back({m, n, k, wt});
   for (bool aligned : {true, false}) {  // routing: no dtype
     for (int64_t m : ms)
       if (one_block_size(m) > 0)
@@ -936,17 +937,18 @@ std::vector<VariantRequest> requestable_variants(int cc) {
     out.insert({"expert_colsum_kernel", expert_colsum_key(g)});
     for (const auto& shape : shapes) {
       const int64_t m = shape[0], n = shape[1], k = shape[2];
+      const int wt = static_cast<int>(shape[3]);
       // A bucket a launcher looks up; a missing one is reported as such (kernel_config would throw at run time).
       const auto cfg = [&](const char* kernel) -> const KernelConfig* {
-        const KernelConfig* c = find_config(kernel, family(g), cc, m, n, k);
+        const KernelConfig* c = find_config(kernel, family(g), cc, m, n, k, wt);
         if (!c)
           out.insert({kernel, "no config for m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" +
-                                  std::to_string(k) + " (" + family(g) + ")"});
+                                  std::to_string(k) + " wt=" + std::to_string(wt) + " (" + family(g) + ")"});
         return c;
       };
       // Alternative designs: looked up with find_config, used where the bucket is not "off".
       const auto optional_cfg = [&](const char* kernel) -> const KernelConfig* {
-        const KernelConfig* c = find_config(kernel, family(g), cc, m, n, k);
+        const KernelConfig* c = find_config(kernel, family(g), cc, m, n, k, wt);
         return c && !config_off(*c) ? c : nullptr;
       };
       const int64_t routes[] = {0, one_block_size(m)};  // the token-order GEMMs' ROUTE_BLOCK (0: routed already)

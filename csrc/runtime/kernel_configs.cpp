@@ -58,19 +58,23 @@ bool shape_classes_on() {
 }
 }  // namespace
 
-const KernelConfig* find_config(const char* kernel, const char* family, int cc, int64_t m, int64_t n, int64_t k) {
+const KernelConfig* find_config(const char* kernel, const char* family, int cc, int64_t m, int64_t n, int64_t k,
+                                int wt) {
   const int arch = table_arch(cc);
   if (arch < 0) return nullptr;
   auto it = index().find(Slot{kernel, family, arch});
   if (it == index().end()) return nullptr;
-  if (!shape_classes_on()) n = k = -1;
+  if (!shape_classes_on()) n = k = wt = -1;
   for (const KernelConfig* c : it->second)  // first match, as aot/config_table.py pick
-    if (admits(c->max_n, n) && admits(c->max_k, k) && admits(c->max_m, m)) return c;
+    if (admits(c->max_n, n) && admits(c->max_k, k) && (c->w_transposed < 0 || c->w_transposed == wt) &&
+        admits(c->max_m, m))
+      return c;
   return nullptr;  // unreachable for a validated table (it ends with the general class's open bucket)
 }
 
-const KernelConfig& kernel_config(const char* kernel, const char* family, int cc, int64_t m, int64_t n, int64_t k) {
-  if (const KernelConfig* c = find_config(kernel, family, cc, m, n, k)) return *c;
+const KernelConfig& kernel_config(const char* kernel, const char* family, int cc, int64_t m, int64_t n, int64_t k,
+                                  int wt) {
+  if (const KernelConfig* c = find_config(kernel, family, cc, m, n, k, wt)) return *c;
   const int arch = table_arch(cc);
   throw std::invalid_argument(
       std::string("fused: no kernel config for ") + kernel + " (" + family + ") on a device of compute capability " +

@@ -17,15 +17,18 @@ int table_arch(int cc);
 // The bucket of (kernel, family) for m rows of a GEMM with n output columns and reduction length k (the grad-weight
 // kernels: the weight's [n, k]; aot/config_table.py) on a device of compute capability cc: the first bucket whose
 // shape class admits n and k and whose max_m admits m. n or k negative: unknown, only the general class (no bound)
-// admits it (every n and k with FUSED_SHAPE_CLASSES=0 in the environment). nullptr when the table of that architecture
-// has no such entry (e.g. a TMA kernel off sm_90, or a family the kernel lacks).
-const KernelConfig* find_config(const char* kernel, const char* family, int cc, int64_t m, int64_t n, int64_t k);
+// admits it (every n and k with FUSED_SHAPE_CLASSES=0 in the environment). wt: the linear GEMMs' orientation, 1 the
+// grad-input (W transposed), 0 the forward, -1 unknown (only classes of either orientation admit it). nullptr when the
+// table of that architecture has no such entry (e.g. a TMA kernel off sm_90, or a family the kernel lacks).
+const KernelConfig* find_config(const char* kernel, const char* family, int cc, int64_t m, int64_t n, int64_t k,
+                                int wt = -1);
 
 // Whether the bucket turns an alternative-design kernel off for its m ("off": true in the table; cfg "off").
 inline bool config_off(const KernelConfig& c) { return c.cfg[0] == 'o' && std::string(c.cfg) == "off"; }
 
 // The same, but a missing entry throws std::invalid_argument naming the kernel, family and architecture.
-const KernelConfig& kernel_config(const char* kernel, const char* family, int cc, int64_t m, int64_t n, int64_t k);
+const KernelConfig& kernel_config(const char* kernel, const char* family, int cc, int64_t m, int64_t n, int64_t k,
+                                  int wt = -1);
 
 // Mean nanoseconds per find_config call over `iters` calls (benchmarks/bench_config_lookup.py).
 double time_config_lookups(int64_t iters);

@@ -64,6 +64,7 @@ struct KernelConfig {
   int64_t max_m;       // the bucket serves m <= max_m; -1: every larger m (the last bucket of its class)
   int64_t max_n;       // its shape class: GEMMs of n <= max_n output columns; -1: any n
   int64_t max_k;       // and of reduction k <= max_k; -1: any k
+  int w_transposed;    // and of this orientation: 1 the grad-input GEMM (W transposed), 0 the forward; -1: either
   int block[3];        // the kernel's tile (its meaning per kernel: aot/config_table.py KERNELS)
   int group;           // GROUP_M / GROUP_N
   int warps, stages;

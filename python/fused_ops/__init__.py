@@ -55,14 +55,16 @@ def built_archs() -> str:
 
 
 def kernel_config(kernel: str, family: str, m: int, cc: int = 90, n: _Optional[int] = None,
-                  k: _Optional[int] = None) -> str:
+                  k: _Optional[int] = None, w_transposed: _Optional[bool] = None) -> str:
     """The block config the launchers pick for ``kernel`` (a Triton kernel name such as ``routed_linear_tma_kernel``),
     ``family`` (``half`` for bf16/fp16, ``tf32``, ``ieee``; ``all`` for ``rope_kernel``) and ``m`` rows of a GEMM with
     ``n`` output columns and reduction length ``k`` (the grad-weight kernels: the weight's ``[n, k]``; None: unknown,
-    the table's general class) on a GPU of compute capability ``cc``, e.g. ``128x256x64_g8_w8_s3`` (BLOCK sizes,
+    the table's general class), ``w_transposed`` the linear GEMMs' orientation (True: the grad-input GEMM, W
+    transposed; None: unknown) on a GPU of compute capability ``cc``, e.g. ``128x256x64_g8_w8_s3`` (BLOCK sizes,
     GROUP, warps, stages). The tables are ``aot/configs/sm<arch>.json``, compiled into the build; re-tune with
     ``python -m aot.tune`` (docs/perf.md)."""
-    return _torch.ops.fused.kernel_config(kernel, family, cc, m, -1 if n is None else n, -1 if k is None else k)
+    return _torch.ops.fused.kernel_config(kernel, family, cc, m, -1 if n is None else n, -1 if k is None else k,
+                                          -1 if w_transposed is None else int(w_transposed))
 
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "route", "linear_dual",
