@@ -200,9 +200,14 @@ def _check_classes(buckets: List[Dict], where: str, fail) -> None:
 
 def class_str(c) -> str:
     """'n<=2048', 'n<=2048,k<=1024', 'n<=2048,t' (the grad-input orientation), 'f' (the forward), or 'general'."""
-    n, k, t = (tuple(c) + (None, ) * 3)[:3]
-    parts = [f"n<={n}"] * (n is not None) + [f"k<={k}"] * (k is not None) + [{True: "t", False: "f"}.get(t, "")] * (
-        t is not None)
+    n, k, t = c
+    parts = []
+    if n is not None:
+        parts.append(f"n<={n}")
+    if k is not None:
+        parts.append(f"k<={k}")
+    if t is not None:
+        parts.append("t" if t else "f")
     return ",".join(parts) or "general"
 
 

@@ -205,7 +205,7 @@ sys.path.insert(0, sys.argv[1])
 from aot import tune
 prob = tune.Problem("linear", "routed_linear_tma_kernel", 256, 256, 256)
 cfg = {"block": [128, 128, 64], "group": 8, "warps": 4, "stages": 3}
-assert prob.time(cfg, 3) > 0  # no error() before it: the outputs are allocated by time() itself
+assert prob.time(cfg, 3) > 0  # no error() before it: the Problem allocates its outputs when it is made
 assert prob.error(cfg) < 2e-2
 # the grad-input orientation (W transposed) is checked against its own float64 reference
 t = tune.Problem("linear", "routed_linear_tma_kernel", 256, 384, 256, "dual_t")
