@@ -26,7 +26,10 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
   persistent TMA GEMMs only, PERSISTENT below) flattens the loop over tiles into the K loop, so the compiler's
   pipeline runs across tiles and the next tile's loads overlap this one's epilogue. `"split": true` (the linear TMA
   GEMMs, SPLIT_CONFIG below) compiles in the split of a last partial round in column halves (kernels/gemm_tiles.py
-  _split_tail; the paired gate/up GEMM always has it). An optional `why` says where a value comes from.
+  _split_tail; the paired gate/up GEMM always has it). `"stream_k": true` (the same GEMMs; not with split) shares
+  the K steps of the last partial round's tiles out evenly over the persistent grid, a tile's pieces summed by the
+  program that holds its last steps in a fixed order (kernels/gemm_tiles.py _sk_share). An optional `why` says where
+  a value comes from.
 * `"off": true` (only for kernels that are an alternative design, OPTIONAL below): the kernel is not used for the
   bucket's m, and the launcher takes the other design (for routed_decode_linear_kernel: the routed linear GEMMs; for
   routed_{linear,swiglu}_gather_tma_kernel: a gather copy, then routed_{linear,swiglu}_tma_kernel; for
@@ -82,11 +85,11 @@ PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_li
 SPLIT_CONFIG = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"}
 ALWAYS_SPLIT = {"routed_swiglu_pair_tma_kernel"}
 _ENTRY_FIELDS = {"max_m", "max_n", "max_k", "w_transposed", "block", "group", "warps", "stages", "flatten", "split",
-                 "why", "off"}
+                 "stream_k", "why", "off"}
 CLASS_FIELDS = ("max_n", "max_k", "w_transposed")  # a shape class's keys, in the order a class is named
 GENERAL = (None, None, None)  # the general class: no bound
 ORDER = ("max_n", "max_k", "w_transposed", "max_m", "off", "block", "group", "warps", "stages", "flatten", "split",
-         "why")
+         "stream_k", "why")
 # the kernels with a W_TRANSPOSED constexpr (forward and grad-input GEMM): their classes may key on the orientation
 ORIENTED = {"routed_linear_kernel", "routed_linear_tma_kernel"}
 
@@ -105,7 +108,7 @@ def cfg_str(entry: Dict) -> str:
     if "group" in entry:
         s += f"_g{entry['group']}"
     return (s + f"_w{entry['warps']}_s{entry['stages']}" + ("_f" if entry.get("flatten") else "")
-            + ("_t" if entry.get("split") else ""))
+            + ("_t" if entry.get("split") else "") + ("_sk" if entry.get("stream_k") else ""))
 
 
 def _pow2(v) -> bool:
@@ -225,8 +228,11 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
         fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
     if row_idx is not None and ROUTING_ALIGN % blk[row_idx] != 0:
         fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
-    if "split" in e and (name not in SPLIT_CONFIG or not isinstance(e["split"], bool)):
-        fail(f"{at}: 'split' is a bool, and only for {', '.join(sorted(SPLIT_CONFIG))}")
+    for key in ("split", "stream_k"):
+        if key in e and (name not in SPLIT_CONFIG or not isinstance(e[key], bool)):
+            fail(f"{at}: '{key}' is a bool, and only for {', '.join(sorted(SPLIT_CONFIG))}")
+    if e.get("stream_k") and e.get("split"):
+        fail(f"{at}: 'stream_k' and 'split' are two ways of sharing out the last round: one or the other")
     if (name in ALWAYS_SPLIT or e.get("split")) and blk[1] < 16:
         fail(f"{at}: block[1] = {blk[1]} must be at least 16: a split last round loads BLOCK_N / 2 columns per weight "
              "(kernels/gemm_tiles.py _split_tail), and TMA and the MMA need 8 or more")

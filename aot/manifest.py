@@ -30,7 +30,7 @@ DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 # indices, masks, fp32 side buffers); see runtime_args.
 _ARG_TYPES = {"perm_ptr": "*i32", "seg_ptr": "*i32", "block_counts_ptr": "*i32", "cu_seqlens_ptr": "*i32",
               "start_ptr": "*i32", "mask_ptr": "*i8", "colsum_ptr": "*fp32", "freqs_ptr": "*fp32",
-              "ws_ptr": "*fp32"}
+              "ws_ptr": "*fp32", "flag_ptr": "*i32"}
 
 
 def runtime_args(kernel: str, dt: str = "", descs: Dict[str, str] = None,
@@ -231,8 +231,9 @@ def _persistent_meta(cfg, prec, **flags) -> Dict[str, object]:
 
 
 def _split_meta(cfg, prec, **flags) -> Dict[str, object]:
-    """_persistent_meta of a linear TMA GEMM: also SPLIT_TAIL (config_table.SPLIT_CONFIG)."""
-    return dict(_persistent_meta(cfg, prec, **flags), SPLIT_TAIL=bool(cfg.get("split", False)))
+    """_persistent_meta of a linear TMA GEMM: also SPLIT_TAIL and STREAM_K (config_table.SPLIT_CONFIG)."""
+    return dict(_persistent_meta(cfg, prec, **flags), SPLIT_TAIL=bool(cfg.get("split", False)),
+                STREAM_K=bool(cfg.get("stream_k", False)))
 
 
 def _both(kernel, key, args, meta, cfg, archs) -> List[Variant]:

@@ -10,9 +10,10 @@ Conventions (experts, perm / seg, SCATTER_OUT): kernels/gemm_tiles.py.
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import (_add_bias, _add_residual, _gate_up_arg, _half_tile_at, _mask_arg, _routed_row_tiles,
-                                _save_gate_up, _silu_mul, _split_tail, _store_tile, _tile_at, _tile_rows)
-from kernels.gemm_tma import _linear_step, _swiglu_step, _w_index
+from kernels.gemm_tiles import (SK_MAX_PARTS, _gate_up_arg, _half_tile_at, _mask_arg, _routed_row_tiles, _save_gate_up,
+                                _silu_mul, _sk_piece, _sk_share, _split_tail, _store_tile, _stream_k_args, _tile_at,
+                                _tile_rows)
+from kernels.gemm_tma import _linear_epilogue, _linear_step, _sk_finish, _swiglu_step, _w_index
 from kernels.pdl import grid_dependency_sync
 
 
@@ -24,6 +25,22 @@ def _gathered_a(a_ptrs, valid, offs_k, K, k0):
 
 
 @triton.jit
+def _gather_mainloop(a_ptr, w_desc, perm_ptr, row0, row_hi, e, n0, K, stride_am, k_lo, k_hi,
+                     INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """The fp32 tile of A's rows gathered through perm[row0, row_hi) times W_e's columns from n0 (e: the index along
+    w_desc, _w_index), over the K steps [k_lo, k_hi) (all of K, or a stream-K piece)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo * BLOCK_K, k_hi * BLOCK_K, BLOCK_K):
+        acc = _linear_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w_desc, e, n0, k0, acc, False, INPUT_PRECISION,
+                           BLOCK_N, BLOCK_K)
+    return acc
+
+
+@triton.jit
 def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0, offs_n,
                         N, K, stride_am, stride_om, w_map, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -31,34 +48,27 @@ def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, p
     """One output tile of routed_linear_gather_tma_kernel: A's rows gathered through perm[row0, row_hi), columns
     offs_n = n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide), bias, residual, rows
     scattered."""
-    offs_k = tl.arange(0, BLOCK_K)
-    rows, valid = _tile_rows(perm_ptr, row0, row_hi, BLOCK_M)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        acc = _linear_step(_gathered_a(a_ptrs, valid, offs_k, K, k0), w_desc, _w_index(e, w_map), n0, k0, acc, False,
-                           INPUT_PRECISION, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-    if HAS_RESIDUAL:
-        acc = _add_residual(acc, res_ptr, perm_ptr, row0, row_hi, offs_n, N, stride_om, True, BLOCK_M)
-    _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, True, BLOCK_M)
+    acc = _gather_mainloop(a_ptr, w_desc, perm_ptr, row0, row_hi, _w_index(e, w_map), n0, K, stride_am, 0,
+                           tl.cdiv(K, BLOCK_K), INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, offs_n, N, stride_om,
+                     HAS_BIAS, HAS_RESIDUAL, True, BLOCK_M)
 
 
 @triton.jit
 def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr,
-                                    seg_ptr, mask_ptr, M, M_pad, N, K, stride_am, stride_om, w_map,
+                                    seg_ptr, mask_ptr, ws_ptr, flag_ptr, M, M_pad, N, K, stride_am, stride_om, w_map,
                                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                                     FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = False,
-                                    PDL: tl.constexpr = False):
+                                    STREAM_K: tl.constexpr = False, PDL: tl.constexpr = False):
     """The forward of routed_linear_tma_kernel (W through TMA, output rows scattered) with A in token order, its rows
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
     (the gather inside the GEMM), measured against gather + routed_linear_tma_kernel by aot/tune.py.
     Persistent over the tiles that hold rows; SPLIT_TAIL: a last round split in column halves through wh_desc, as in
-    routed_linear_tma_kernel. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index.
-    HAS_RESIDUAL: out = A·Wᵀ (+ bias) + residual, res_ptr of out's layout and row stride (a block's residual add)."""
+    routed_linear_tma_kernel; STREAM_K: the last partial round's K steps shared out evenly, ws_ptr / flag_ptr as
+    there. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index. HAS_RESIDUAL:
+    out = A·Wᵀ (+ bias) + residual, res_ptr of out's layout and row stride (a block's residual add)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -68,6 +78,9 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
     main = num_pid_m * num_pid_n
     if SPLIT_TAIL:
         main, tail = _split_tail(main, nprog)
+    if STREAM_K:
+        dp, kit, per, lo, it = _sk_share(pid, nprog, main, K, BLOCK_K, SK_MAX_PARTS)
+        main = dp
     for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
@@ -75,11 +88,22 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
                             offs_n, N, K, stride_am, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, INPUT_PRECISION,
                             BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_TAIL and pid < 2 * tail:
-        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
-                                                    BLOCK_N, GROUP_M)
-        _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
-                            offs_n, N, K, stride_am, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, INPUT_PRECISION,
+        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
+                                                    BLOCK_M, BLOCK_N, GROUP_M)
+        _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
+                            n0, offs_n, N, K, stride_am, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, INPUT_PRECISION,
                             BLOCK_M, BLOCK_N // 2, BLOCK_K)
+    if STREAM_K:  # the last partial round, shared out
+        while it > lo:
+            tile, k_lo, k_hi = _sk_piece(it, lo, kit)
+            row0, row_hi, e, n0, offs_n = _tile_at(dp + tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
+                                                   BLOCK_N, GROUP_M)
+            acc = _gather_mainloop(a_ptr, w_desc, perm_ptr, row0, row_hi, _w_index(e, w_map), n0, K, stride_am, k_lo,
+                                   k_hi, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+            _sk_finish(acc, ws_ptr, flag_ptr, pid, nprog, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr,
+                       res_ptr, perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, True, BLOCK_M,
+                       BLOCK_N)
+            it -= k_hi - k_lo
 
 
 @triton.jit
@@ -120,7 +144,7 @@ def routed_swiglu_gather_tma_kernel(a_ptr, w1_desc, w3_desc, h_ptr, gu_ptr, perm
 def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, *, mask=None, route_block=0,
                                     align=128, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
                                     num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, SPLIT_TAIL=False,
-                                    w_map=2, residual=None):
+                                    STREAM_K=False, w_map=2, residual=None):
     """a [M, K] in token order (rows gathered in the kernel); w_stacked [2, N, K] (w_map: as in
     launch_routed_linear_tma); out [M, N]; residual: None or a tensor of out's shape and strides, added. route_block >
     0: perm and seg are written by the kernel from mask (int8 [M], M <= route_block) with routing ALIGN = align."""
@@ -135,14 +159,18 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
     if not has_bias:
         bias0 = bias1 = out
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
-    grid = (min(num_programs or tiles, tiles), )
+    # stream-K: a share for every program (num_programs, the SMs), whatever the tile count
+    grid, ws, flags = _stream_k_args(STREAM_K, (num_programs if STREAM_K else min(num_programs or tiles, tiles), ),
+                                     BM, BN, out.device)
     assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
     routed_linear_gather_tma_kernel[grid](a, w_desc, wh_desc, bias0, bias1, out, out if residual is None else residual,
-                                          perm, seg, mask_arg, M, M_pad, N, K, a.stride(0), out.stride(0), w_map,
+                                          perm, seg, mask_arg, ws, flags, M, M_pad, N, K, a.stride(0), out.stride(0),
+                                          w_map,
                                           HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,
                                           INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                           GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
-                                          SPLIT_TAIL=SPLIT_TAIL, num_warps=num_warps, num_stages=num_stages)
+                                          SPLIT_TAIL=SPLIT_TAIL, STREAM_K=STREAM_K, num_warps=num_warps,
+                                          num_stages=num_stages)
     return out
 
 

@@ -160,6 +160,91 @@ def _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M
     return row0, row_hi, e, n0, n0 + tl.arange(0, BLOCK_N // 2)
 
 
+SK_MAX_PARTS = tl.constexpr(4)  # stream-K: pieces per tile, at most about (_sk_share)
+SK_CHUNKS = tl.constexpr(4)  # stream-K: an owned tile's pieces are summed in this many column chunks (_sk_sum)
+
+
+@triton.jit
+def _sk_share(pid, nprog, num_tiles, K, BLOCK_K: tl.constexpr, MAX_PARTS: tl.constexpr):
+    """Stream-K (a config's "stream_k") of a persistent walk: the whole rounds of tiles, [0, dp), are walked as
+    without it (tile pid, pid + nprog, ...), and the K steps of the tiles of the last partial round, [dp, num_tiles),
+    are cut into equal contiguous shares, one per program, so that every SM ends at about the same time (a routed GEMM
+    of 2048 tokens has 2 rounds and a few tiles of 128 x 256 on 132 SMs: without it the last round idles most SMs).
+    Only that round: shares over every tile would have the programs work on tiles far apart at any moment, and the
+    weights' tiles, read once from HBM for the row tiles walked together, would be read again by each program (2.4x
+    slower at 1024 x 14336 x 4096, H100). Returns (dp, kit, per, lo, hi): K steps per tile, the share's length and
+    program pid's share [lo, hi) in steps counted from tile dp. A share is at least kit / MAX_PARTS steps long, so
+    that no tile is cut into more than about MAX_PARTS pieces (each piece but one is a [BM, BN] fp32 partial sum
+    written and read again): with few tiles left, programs past the last share idle."""
+    dp = (num_tiles // nprog) * nprog
+    kit = tl.cdiv(K, BLOCK_K)
+    total = (num_tiles - dp) * kit
+    per = tl.maximum(tl.cdiv(total, nprog), tl.cdiv(kit, MAX_PARTS))
+    lo = tl.minimum(pid * per, total)
+    hi = tl.minimum(lo + per, total)
+    return dp, kit, per, lo, hi
+
+
+@triton.jit
+def _sk_piece(it, lo, kit):
+    """The piece of a stream-K share [lo, hi) that ends at step `it`: (tile, k_lo, k_hi), the K steps [k_lo, k_hi) of
+    tile `tile`. A share is walked from its end, so each program first computes the piece of its last tile (the
+    tile's first K steps, never the last: a partial sum, _sk_publish) and last the piece of its first tile, whose last K
+    steps it holds: it owns that tile (_sk_wait, _sk_sum) and by then the programs before it have published."""
+    tile = (it - 1) // kit
+    first = tile * kit
+    return tile, tl.maximum(first, lo) - first, it - first
+
+
+@triton.jit
+def _sk_offsets(slot, c0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
+    """Element offsets of columns [c0, c0 + WIDTH) of workspace slot `slot`, a [BLOCK_M, BLOCK_N] fp32 tile. The
+    workspace holds 2 nprog slots: slot q < nprog, program q's published partial sum; slot nprog + q, program q's
+    own piece of the tile it owns (_sk_sum)."""
+    return (slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + c0
+            + tl.arange(0, WIDTH)[None, :])
+
+
+@triton.jit
+def _sk_publish(acc, ws_ptr, flag_ptr, pid, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A piece that does not end its tile: its partial sum into slot pid, then flag[pid] = 1 (release, after a CTA
+    barrier: every thread's stores are visible before the flag). A program publishes at most once per launch."""
+    tl.store(ws_ptr + _sk_offsets(pid, 0, BLOCK_M, BLOCK_N, BLOCK_N), acc)
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr + pid, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _sk_wait(acc, ws_ptr, flag_ptr, pid, nprog, tile, kit, per, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The owner of a tile cut into pieces (it holds the tile's last K steps): stores its own piece into slot
+    nprog + pid, then waits for the programs before it that hold the tile's earlier steps, q = pid - 1 down to
+    q_first, each flag waited for and reset to 0 in one compare-and-swap (the flags are zero again after every launch).
+    Returns q_first; _sk_sum then adds the pieces column chunk by column chunk, so that no second [BM, BN] fp32 tile
+    is ever held in registers beside the accumulator (which spilled the 128 x 256 tiles). The wait needs those programs
+    resident or done: the grid is one program per SM, and a program publishes before it ever waits (_sk_piece)."""
+    tl.store(ws_ptr + _sk_offsets(nprog + pid, 0, BLOCK_M, BLOCK_N, BLOCK_N), acc)
+    q_first = (tile * kit) // per
+    q = pid - 1
+    while q >= q_first:
+        while tl.atomic_cas(flag_ptr + q, 1, 0, sem="acquire", scope="gpu") != 1:
+            pass
+        q -= 1
+    tl.debug_barrier()  # the own piece's stores, by every thread, before any thread reads them back
+    return q_first
+
+
+@triton.jit
+def _sk_sum(ws_ptr, pid, nprog, q_first, c0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
+    """Columns [c0, c0 + WIDTH) of an owned tile (after _sk_wait): the owner's piece plus the partial sums of the
+    programs before it, nearest first. A fixed order: the same bits from run to run (no atomic adds)."""
+    s = tl.load(ws_ptr + _sk_offsets(nprog + pid, c0, BLOCK_M, BLOCK_N, WIDTH))
+    q = pid - 1
+    while q >= q_first:
+        s += tl.load(ws_ptr + _sk_offsets(q, c0, BLOCK_M, BLOCK_N, WIDTH), cache_modifier=".cg")
+        q -= 1
+    return s
+
+
 @triton.jit
 def _tile_rows(perm_ptr, row0, row_hi, BLOCK_M: tl.constexpr):
     """perm entries of the tile's rows below row_hi -> (original row as int64 clamped to >= 0, valid mask)."""
@@ -235,6 +320,16 @@ def _mask_arg(mask, perm, route_block):
     M = mask.shape[0]
     assert M <= route_block and mask.dtype in (torch.int8, torch.uint8, torch.bool)
     return (mask.view(torch.int8) if M > 0 else perm), M
+
+
+def _stream_k_args(stream_k, grid, BM, BN, device):
+    """(grid, ws, flags) of a linear TMA launch: with stream_k, every program of the persistent grid takes a share
+    (_sk_share), with the fp32 workspace [2 nprog, BM, BN] (_sk_offsets) and the zeroed int32 flags [nprog] it needs;
+    without it, one-element stand-ins of the argument types (not read)."""
+    import torch
+    n = grid[0] if stream_k else 1
+    ws = torch.empty((2 * n, BM, BN) if stream_k else (1, ), dtype=torch.float32, device=device)
+    return grid, ws, torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def _gate_up_arg(gate_up, h):

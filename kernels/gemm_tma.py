@@ -15,8 +15,10 @@ Conventions (experts, perm / seg, the generic GEMM with W_TRANSPOSED, SCATTER_OU
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import (_add_bias, _add_residual, _gate_up_arg, _half_tile_at, _ordered_offsets, _row_tiles, _save_gate_up,
-                                _silu_mul, _split_tail, _store_tile, _tile_at, _walk_tiles)
+from kernels.gemm_tiles import (SK_CHUNKS, SK_MAX_PARTS, _add_bias, _add_residual, _gate_up_arg, _half_tile_at,
+                                _ordered_offsets, _row_tiles, _save_gate_up, _silu_mul, _sk_piece, _sk_publish,
+                                _sk_share, _sk_sum, _sk_wait, _split_tail, _store_tile, _stream_k_args, _tile_at,
+                                _walk_tiles)
 from kernels.pdl import grid_dependency_sync
 from kernels.swiglu_backward import swiglu_grads
 
@@ -46,12 +48,49 @@ def _linear_step(a, w_desc, e, n0, k0, acc, W_TRANSPOSED: tl.constexpr, INPUT_PR
 
 
 @triton.jit
-def _tma_mainloop(acc, a_desc, w_desc, e, row0, n0, K, W_TRANSPOSED: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    for k0 in range(0, K, BLOCK_K):
+def _tma_mainloop(a_desc, w_desc, e, row0, n0, k_lo, k_hi, W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 tile A[rows from row0] · W_e's columns from n0 over the K steps [k_lo, k_hi) (all of K, or a stream-K
+    piece)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo * BLOCK_K, k_hi * BLOCK_K, BLOCK_K):
         acc = _linear_step(a_desc.load([row0, k0]), w_desc, e, n0, k0, acc, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N,
                            BLOCK_K)
     return acc
+
+
+@triton.jit
+def _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, offs_n, N, stride_om,
+                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCATTER_OUT: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+    """A linear tile's epilogue: bias, residual, store (_store_tile)."""
+    if HAS_BIAS:
+        acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
+    if HAS_RESIDUAL:
+        acc = _add_residual(acc, res_ptr, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
+    _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
+
+
+@triton.jit
+def _sk_finish(acc, ws_ptr, flag_ptr, pid, nprog, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr,
+               perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               SCATTER_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A stream-K piece's end (kernels/gemm_tiles.py _sk_share): a piece short of its tile's last K step is published;
+    a whole tile gets its epilogue; the owner of a cut tile waits for the other pieces and runs the epilogue on their
+    sum, SK_CHUNKS column chunks one after the other (_sk_wait, _sk_sum)."""
+    if k_hi < kit:
+        _sk_publish(acc, ws_ptr, flag_ptr, pid, BLOCK_M, BLOCK_N)
+    elif k_lo == 0:
+        _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
+                         n0 + tl.arange(0, BLOCK_N), N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, BLOCK_M)
+    else:
+        q_first = _sk_wait(acc, ws_ptr, flag_ptr, pid, nprog, tile, kit, per, BLOCK_M, BLOCK_N)
+        WIDTH: tl.constexpr = BLOCK_N // SK_CHUNKS
+        for c in tl.static_range(SK_CHUNKS):
+            s = _sk_sum(ws_ptr, pid, nprog, q_first, c * WIDTH, BLOCK_M, BLOCK_N, WIDTH)
+            _linear_epilogue(s, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
+                             n0 + c * WIDTH + tl.arange(0, WIDTH), N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT,
+                             BLOCK_M)
 
 
 @triton.jit
@@ -62,24 +101,21 @@ def _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, per
     """One output tile of routed_linear_tma_kernel: rows [row0, row_hi) of A through a_desc, columns offs_n =
     n0 + [0, BLOCK_N) of expert e's W through w_desc (whose block is BLOCK_N wide; w_map: _w_index), bias, residual,
     store."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _tma_mainloop(acc, a_desc, w_desc, _w_index(e, w_map), row0, n0, K, W_TRANSPOSED, INPUT_PRECISION, BLOCK_N,
-                        BLOCK_K)
-    if HAS_BIAS:
-        acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-    if HAS_RESIDUAL:
-        acc = _add_residual(acc, res_ptr, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
-    _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
+    acc = _tma_mainloop(a_desc, w_desc, _w_index(e, w_map), row0, n0, 0, tl.cdiv(K, BLOCK_K), W_TRANSPOSED,
+                        INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, offs_n, N, stride_om,
+                     HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, BLOCK_M)
 
 
 @triton.jit
 def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr,
-                             seg_ptr, one_rows, N, K, stride_om, w_map,
+                             seg_ptr, ws_ptr, flag_ptr, one_rows, N, K, stride_om, w_map,
                              HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCATTER_OUT: tl.constexpr,
                              W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr,
-                             FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = False, PDL: tl.constexpr = False):
+                             FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = False, STREAM_K: tl.constexpr = False,
+                             PDL: tl.constexpr = False):
     """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
     (W_TRANSPOSED: [2, K, N] block [1, BK, BN]); wh_desc: the same tensor with half the columns per block (BN / 2),
     for SPLIT_TAIL (a config's "split"): a last round split in column halves (_split_tail: at 2048 tokens, 17 x 16
@@ -89,7 +125,10 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
     end = seg[2] (an expert-ordered output is written up to end, padding rows included). one_rows > 0 (with
     SCATTER_OUT = False): one expert, rows in token order, no perm / seg (_walk_tiles). w_map: the experts' order
     along w_desc's first dimension (_w_index). HAS_RESIDUAL: out = A·Wᵀ (+ bias) + residual, res_ptr of out's
-    layout and row stride (the ffn down projection's residual add)."""
+    layout and row stride (the ffn down projection's residual add). STREAM_K (a config's "stream_k"; not with
+    SPLIT_TAIL): the K steps of the last partial round's tiles shared out evenly (_sk_share), partial sums through
+    ws_ptr ([2 nprog, BM, BN] fp32: _sk_offsets) and flag_ptr (int32 [nprog], zero before and after the launch);
+    without it neither is read."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -98,18 +137,32 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
     main = num_pid_m * num_pid_n
     if SPLIT_TAIL:
         main, tail = _split_tail(main, nprog)
+    if STREAM_K:
+        dp, kit, per, lo, it = _sk_share(pid, nprog, main, K, BLOCK_K, SK_MAX_PARTS)
+        main = dp
     for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
-        _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0, offs_n,
-                         N, K, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, W_TRANSPOSED, INPUT_PRECISION,
-                         BLOCK_M, BLOCK_N, BLOCK_K)
+        _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
+                         offs_n, N, K, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, W_TRANSPOSED,
+                         INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_TAIL and pid < 2 * tail:
-        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
-                                                    BLOCK_N, GROUP_M)
+        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
+                                                    BLOCK_M, BLOCK_N, GROUP_M)
         _tma_linear_tile(a_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
                          offs_n, N, K, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, W_TRANSPOSED,
                          INPUT_PRECISION, BLOCK_M, BLOCK_N // 2, BLOCK_K)
+    if STREAM_K:  # the last partial round, shared out
+        while it > lo:
+            tile, k_lo, k_hi = _sk_piece(it, lo, kit)
+            row0, row_hi, e, n0, offs_n = _tile_at(dp + tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
+                                                   BLOCK_N, GROUP_M)
+            acc = _tma_mainloop(a_desc, w_desc, _w_index(e, w_map), row0, n0, k_lo, k_hi, W_TRANSPOSED,
+                                INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+            _sk_finish(acc, ws_ptr, flag_ptr, pid, nprog, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr,
+                       res_ptr, perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT,
+                       BLOCK_M, BLOCK_N)
+            it -= k_hi - k_lo
 
 
 @triton.jit
@@ -254,7 +307,7 @@ def _tile_rows_arg(perm, seg, one_rows, out):
 def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, scatter_out=True,
                              w_transposed=False, input_precision="tf32", BM=128, BN=256, BK=64, GROUP_M=8,
                              num_programs=None, num_warps=8, num_stages=3, FLATTEN=False, one_rows=0,
-                             SPLIT_TAIL=False, w_map=2, residual=None):
+                             SPLIT_TAIL=False, STREAM_K=False, w_map=2, residual=None):
     """a_pad [M_pad, K] expert-ordered; w_stacked [2, N, K] (or [2, K, N] when w_transposed), experts in the order
     w_map says (_w_index: 2 text first, 1 vision first, 0 one weight for both). one_rows > 0: one expert of one_rows
     rows in token order, perm / seg unused (may be None), scatter_out must be False."""
@@ -270,14 +323,16 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
     if not has_bias:
         bias0 = bias1 = out
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
-    grid = (min(num_programs or tiles, tiles), )
+    # stream-K: a share for every program (num_programs, the SMs), whatever the tile count
+    grid, ws, flags = _stream_k_args(STREAM_K, (num_programs if STREAM_K else min(num_programs or tiles, tiles), ),
+                                     BM, BN, out.device)
     assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
     routed_linear_tma_kernel[grid](a_desc, w_desc, wh_desc, bias0, bias1, out, out if residual is None else residual,
-                                   perm, seg, one_rows, N, K, out.stride(0), w_map, HAS_BIAS=has_bias,
+                                   perm, seg, ws, flags, one_rows, N, K, out.stride(0), w_map, HAS_BIAS=has_bias,
                                    HAS_RESIDUAL=residual is not None, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                   GROUP_M=GROUP_M, FLATTEN=FLATTEN, SPLIT_TAIL=SPLIT_TAIL, num_warps=num_warps,
-                                   num_stages=num_stages)
+                                   GROUP_M=GROUP_M, FLATTEN=FLATTEN, SPLIT_TAIL=SPLIT_TAIL, STREAM_K=STREAM_K,
+                                   num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -15,21 +15,29 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def split_counts(kernel, M, cc, sms):
-    """(c0, c1, N) for the persistent routed GEMM `kernel` at M rows, whose table config there has "split", such that
-    its last partial round is split in column halves (kernels/gemm_tiles.py _split_tail): both experts' last row tiles
-    partial (c0 + c1 = M rows), and N (its last column tile partial, a multiple of 32) such that the tile count T
-    exceeds the SM count and leaves 0 < 2 (T mod SMs) <= SMs. None where the kernel does not serve M (not sm_90, or
-    an "off" bucket)."""
+def split_counts(kernel, M, K, cc, sms, wt=None):
+    """(c0, c1, N) for the persistent routed GEMM `kernel` at M rows and reduction K (wt: its orientation, for
+    routed_linear_tma_kernel), such that the table's config for that GEMM (its shape class included) shares out a last
+    partial round: "split" (in column halves, kernels/gemm_tiles.py _split_tail) or "stream_k" (by K steps,
+    _sk_share). Both experts' last row tiles partial (c0 + c1 = M rows), N's last column tile partial (N a multiple
+    of 32), the tile count T above the SM count and its last round one the config shares out (split:
+    0 < 2 (T mod SMs) <= SMs; stream-K: T mod SMs > 0). None where no N gives that (not sm_90, an "off" bucket, or no
+    such config at M)."""
     import fused_ops
-    cfg = fused_ops.kernel_config(kernel, "half", M, cc)
-    if cc // 10 != 9 or cfg == "off":
+    if cc // 10 != 9:
         return None
-    assert cfg.endswith("_t"), f"{kernel} at m = {M}: the table's config {cfg} does not split its last round"
-    bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])
-    c0 = M // 2 - 10
-    c1 = M - c0
-    assert c0 % bm and c1 % bm, (c0, c1, bm)
-    row_tiles = -(-c0 // bm) + -(-c1 // bm)
-    cols = next(c for c in range(1, 1024) if row_tiles * c > sms and 0 < 2 * ((row_tiles * c) % sms) <= sms)
-    return c0, c1, cols * bn - bn // 4
+    for N in range(64, 16384 + 1, 32):
+        cfg = fused_ops.kernel_config(kernel, "half", M, cc, N, K, wt)
+        stream_k, split = cfg.endswith("_sk"), cfg.endswith("_t")
+        if not (stream_k or split):
+            continue
+        bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])
+        c0 = M // 2 - 10
+        c1 = M - c0
+        if N % bn == 0 or c0 % bm == 0 or c1 % bm == 0:
+            continue
+        tiles = (-(-c0 // bm) + -(-c1 // bm)) * -(-N // bn)
+        r = tiles % sms
+        if tiles > sms and (r > 0 if stream_k else 0 < 2 * r <= sms):
+            return c0, c1, N
+    return None

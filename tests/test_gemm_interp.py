@@ -444,6 +444,79 @@ def test_linear_forward_residual(dtype, path):
     assert torch.isnan(out_all[M:]).all() and torch.isnan(out_all[:, N:]).all()
 
 
+@pytest.mark.parametrize("path", ["tma", "tma_grad_input", "tma_expert_ordered", "gather_tma", "gather_tma_routes"])
+@pytest.mark.parametrize("programs", [5, 40])
+@pytest.mark.parametrize("kind", ["random", "span", "all_true"])
+def test_stream_k(path, programs, kind, monkeypatch):
+    """STREAM_K (a config's "stream_k") on both linear TMA kernels: the tiles' K steps shared out
+    over 5 or 40 programs, so that tiles are cut into pieces whose partial sums go through the workspace and are
+    summed by the program holding each tile's last steps. The workspace starts as NaN (a partial read before it was
+    written shows), the flags must be zero again after the launch, the output is NaN-poisoned with a wider row stride
+    (bias and residual on the forward paths), and a second launch gives the same bits (the fixed order of the sums)."""
+    import kernels.gemm_gather_tma as ggt
+    import kernels.gemm_tma as gt
+    seen = {}
+
+    def spy(*a):
+        grid, ws, flags = gt._stream_k_args.__wrapped__(*a)
+        ws.fill_(float("nan"))
+        seen.update(ws=ws, flags=flags)
+        return grid, ws, flags
+    spy.__wrapped__ = gt._stream_k_args
+    monkeypatch.setattr(gt, "_stream_k_args", spy)
+    monkeypatch.setattr(ggt, "_stream_k_args", spy)
+    M, N, K = 37, 40, 88  # 3 row tiles; forward 3 column tiles of 6 K steps, grad-input 6 of 3: shares cut tiles
+    gen = torch.Generator().manual_seed(31)
+    mask = make_mask(kind, M, gen)
+    grad_input = path == "tma_grad_input"
+    x = rnd(gen, M, N if grad_input else K)
+    w = rnd(gen, 2, N, K)
+    forward = not grad_input and path != "tma_expert_ordered"
+    b0, b1 = (rnd(gen, N), rnd(gen, N)) if forward else (None, None)
+    n_out = K if grad_input else N
+    perm, seg = route(mask, align=ALIGN)
+    rows = perm.shape[0] if path == "tma_expert_ordered" else M
+    residual = rnd(gen, rows + 4, n_out + 8)[:rows, :n_out] if forward else None
+
+    def run():
+        out_all = torch.full((rows + 4, n_out + 8), float("nan"))
+        out = out_all[:rows, :n_out]
+        kw = dict(input_precision="ieee", num_programs=programs, STREAM_K=True, **T)
+        if path.startswith("gather_tma"):
+            routes = path == "gather_tma_routes"
+            p, sg = routed_here(mask, ALIGN)[:2] if routes else (perm.clone(), seg.clone())
+            launch_routed_linear_gather_tma(x, w, b0, b1, out, p, sg, mask=mask, route_block=64 if routes else 0,
+                                            align=ALIGN, residual=residual, **kw)
+        else:
+            launch_routed_linear_tma(gathered(x, perm, perm.shape[0]), w, b0, b1, out, perm, seg,
+                                     scatter_out=path != "tma_expert_ordered", w_transposed=grad_input,
+                                     residual=residual, **kw)
+        assert not seen["flags"].any(), "stream-K flags not reset"
+        return out_all, out
+
+    out_all, out = run()
+    xd = x.double()
+    if grad_input:
+        ref = torch.where(mask[:, None], xd @ w[1].double(), xd @ w[0].double())
+    elif path == "tma_expert_ordered":  # row r of the output belongs to token perm[r]; padding rows are zero rows
+        valid = perm >= 0
+        tok = perm.clamp_min(0).long()
+        vis = mask[tok][:, None]
+        ref = torch.where(vis, xd[tok] @ w[1].double().T, xd[tok] @ w[0].double().T) * valid[:, None]
+    else:
+        ref = ref_linear(x, w[0], w[1], b0, b1, mask) + residual.double()
+    if path == "tma_expert_ordered":  # rows up to end = seg[2] are written, padding rows included
+        end = int(seg[2])
+        assert rel_err(out[:end], ref[:end]) < TOL[torch.float32]
+    else:
+        assert rel_err(out, ref) < TOL[torch.float32]
+    assert torch.isnan(out_all[rows:]).all() and torch.isnan(out_all[:, n_out:]).all()
+    published = (~torch.isnan(seen["ws"].flatten(1))).all(1).sum().item()
+    assert published > 0, "no tile was cut: the test does not reach the partial sums"
+    again = run()[1]
+    assert torch.equal(torch.nan_to_num(out, 0.0), torch.nan_to_num(again, 0.0))
+
+
 @pytest.mark.parametrize("kind", ["random", "all_true", "all_false"])
 def test_tma_row_tiles(kind):
     """Row tiles smaller than the routing alignment (BM = 16, ALIGN = 64): scattered outputs and h are computed only
@@ -897,9 +970,9 @@ def test_gather_rows_colsum_shipped_block():
 
 # ------------------------------------------------------------------------- every shipped config (aot/configs/*.json)
 def _shipped_configs():
-    """Distinct (kernel, family, block, group, split) of every table: warps and stages do not change the interpreter's
-    arithmetic, the tile sizes, grouping and the split last round do (masking of partial tiles, persistent loops, grid
-    math)."""
+    """Distinct (kernel, family, block, group, split, stream_k) of every table: warps and stages do not change the
+    interpreter's arithmetic, the tile sizes, grouping and the shared-out last round do (masking of partial tiles,
+    persistent loops, grid math)."""
     from aot import config_table as ct
     from aot import manifest
     seen = {}
@@ -910,13 +983,14 @@ def _shipped_configs():
             for fam, buckets in fams.items():
                 for e in buckets:
                     if not e.get("off"):
-                        seen.setdefault((kernel, fam, tuple(e["block"]), e["group"], bool(e.get("split"))), None)
+                        seen.setdefault((kernel, fam, tuple(e["block"]), e["group"], bool(e.get("split")),
+                                         bool(e.get("stream_k"))), None)
     return list(seen)
 
 
-@pytest.mark.parametrize("kernel, fam, block, group, split", _shipped_configs(),
+@pytest.mark.parametrize("kernel, fam, block, group, split, stream_k", _shipped_configs(),
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_shipped_config(kernel, fam, block, group, split):
+def test_shipped_config(kernel, fam, block, group, split, stream_k):
     """Each config the AOT build compiles computes the right result at sizes that leave partial tiles in every
     dimension, with both experts populated and the production routing alignment."""
     dtype = {"half": torch.float16, "tf32": torch.float32, "ieee": torch.float32}[fam]
@@ -952,12 +1026,13 @@ def test_shipped_config(kernel, fam, block, group, split):
                                  BK=bk, GROUP_M=group)
         elif kernel == "routed_linear_tma_kernel":
             launch_routed_linear_tma(xg, w, b0, b1, out, perm, seg, input_precision=p, BM=bm, BN=bn, BK=bk,
-                                     GROUP_M=group, num_programs=5, SPLIT_TAIL=split)
+                                     GROUP_M=group, num_programs=5, SPLIT_TAIL=split, STREAM_K=stream_k)
         else:  # routing the mask itself, as the launcher does for m <= ONE_BLOCK
             perm_k, seg_k, want = routed_here(mask, 128)
             launch_routed_linear_gather_tma(x, w, b0, b1, out, perm_k, seg_k, mask=mask,
                                             route_block=one_block_size(M), input_precision=p, BM=bm, BN=bn,
-                                            BK=bk, GROUP_M=group, num_programs=5, SPLIT_TAIL=split)
+                                            BK=bk, GROUP_M=group, num_programs=5, SPLIT_TAIL=split,
+                                            STREAM_K=stream_k)
             assert torch.equal(perm_k, want[0]) and torch.equal(seg_k, want[1])
         assert rel_err(out, ref_linear(x, w[0], w[1], b0, b1, mask)) < tol
     elif kernel.startswith("routed_swiglu"):

@@ -244,8 +244,9 @@ def test_variant_meta_matches_its_config():
         if "cfg" not in v.key:
             continue
         cfg = v.key["cfg"]
-        flat, split = bool(v.meta.get("FLATTEN")), bool(v.meta.get("SPLIT_TAIL"))
-        assert cfg.endswith(f"_w{v.num_warps}_s{v.num_stages}" + ("_f" if flat else "") + ("_t" if split else ""))
+        flat, split, sk = bool(v.meta.get("FLATTEN")), bool(v.meta.get("SPLIT_TAIL")), bool(v.meta.get("STREAM_K"))
+        assert cfg.endswith(f"_w{v.num_warps}_s{v.num_stages}" + ("_f" if flat else "") + ("_t" if split else "")
+                            + ("_sk" if sk else ""))
         names = ("BLOCK_N", "BLOCK_K", "BLOCK_R") if "grad_weight" in v.name else (
             ("BLOCK_H", "BLOCK_HALF", "BLOCK_B") if v.name == "rope_kernel" else ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
         assert cfg.startswith("x".join(str(v.meta[n]) for n in names))

@@ -516,10 +516,12 @@ def test_stacked_weights(device, M):
 @pytest.mark.parametrize("layout", ["separate", "text_first", "vision_first"])
 def test_weights_read_in_place(gpu_device, M, layout):
     """No weight copy inside the op for any of these layouts: no copy / stack op in a profile of the forward and the
-    backward, and the forward's peak extra memory far below one expert's weight."""
+    backward, and the forward's peak extra memory far below one expert's weight (a stacking copy would be two): what
+    it may allocate is the routing and, where the table gathers x's rows before the GEMM instead of inside it, those
+    rows ([M_pad, K], M_pad <= M + 256)."""
     if torch.cuda.get_device_capability(gpu_device) != (9, 0):
         pytest.skip("the TMA path (sm_90) reads stacked weights; the pointer kernels take two base pointers anyway")
-    K, N = 2048, 4096
+    K, N = 2048, 8192
     x = torch.randn(M, K, device=gpu_device, dtype=torch.bfloat16)
     mask = make_mask("random", (M,), gpu_device)
     g = torch.randn(M, N, device=gpu_device, dtype=torch.bfloat16)
@@ -532,7 +534,8 @@ def test_weights_read_in_place(gpu_device, M, layout):
     out = OPS.linear_dual(x, mask, v, t)
     sync(gpu_device)
     extra = torch.cuda.max_memory_allocated(gpu_device) - base - out.untyped_storage().nbytes()
-    assert extra < wv.numel() * wv.element_size() // 4, f"peak extra {extra} B: the weights were copied?"
+    gathered_x = (M + 256) * K * x.element_size()
+    assert extra < wv.numel() * wv.element_size() // 4 + gathered_x, f"peak extra {extra} B: the weights were copied?"
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         OPS.linear_dual(x, mask, v, t)
         OPS.linear_dual_backward(g, x, mask, v, t)
@@ -651,27 +654,95 @@ def test_routing_sizes(gpu_device, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1000, 2000])
-def test_split_last_round(gpu_device, M):
-    """The forward's gather GEMM (sm_90) computes a last round that fills at most half the SMs in column halves,
-    after its whole rounds (kernels/gemm_tiles.py _split_tail; at M = 2000 and N = 4096 its tiles are 2 rounds and 8
-    tiles on 132 SMs). Expert counts and N chosen for this GPU's SM count and the table's config at M (one bucket per
-    M), the tokens shuffled. bf16 with biases, forward and every gradient against float64, NaN-poisoned allocator."""
+def test_split_last_round(gpu_device):
+    """The forward's gather GEMM (sm_90) computes a last partial round, after its whole rounds, shared out as its table
+    config says: in column halves (kernels/gemm_tiles.py _split_tail) or by K steps (_sk_share). At M = 1000, 2000 and
+    3000 tokens where the table has such a config, expert counts and N chosen for this GPU's SM count and that config
+    (device_helpers.split_counts), the tokens shuffled; at least one M must have one. bf16 with biases, forward and
+    every gradient against float64, NaN-poisoned allocator."""
     major, minor = torch.cuda.get_device_capability(gpu_device)
+    if major != 9:
+        pytest.skip("the gather GEMM runs on sm_90 only")
     K = 256
     sms = torch.cuda.get_device_properties(gpu_device).multi_processor_count
-    split = split_counts("routed_linear_gather_tma_kernel", M, major * 10 + minor, sms)
-    if split is None:
-        pytest.skip("the gather GEMM runs on sm_90 only")
-    c0, c1, N = split
-    mask = torch.zeros(M, dtype=torch.bool)
-    mask[c0:] = True
-    mask = mask[torch.randperm(M, generator=torch.Generator().manual_seed(6))].to(gpu_device)
+    ran = []
+    for M in (1000, 2000, 3000):
+        split = split_counts("routed_linear_gather_tma_kernel", M, K, major * 10 + minor, sms)
+        if split is None:
+            continue
+        c0, c1, N = split
+        mask = torch.zeros(M, dtype=torch.bool)
+        mask[c0:] = True
+        mask = mask[torch.randperm(M, generator=torch.Generator().manual_seed(6))].to(gpu_device)
+        x = strided_view((M,), K, torch.bfloat16, gpu_device)
+        wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, gpu_device, "both")
+        poison_allocator(gpu_device, 8 * M * max(N, K) * 2)
+        out, ref = run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[torch.bfloat16])
+        check_out(out, ref, (M, N), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+        ran.append(M)
+    assert ran, "the sm_90 table shares out the gather GEMM's last round at none of M = 1000, 2000, 3000"
+
+
+def _stream_k_shape(cc):
+    """(M, N, K, forward, backward) of a linear_dual call whose forward (the gather GEMM) or grad-input GEMM (dX, n = K,
+    reduction N) the sm_90 table serves with a stream-K config (ending in _sk), from the matrix models' projections;
+    None if it has none."""
+    projections = [(12288, 4096), (6144, 4096), (4096, 4096), (1280, 8192), (8192, 1024), (4096, 14336),
+                   (14336, 4096), (3584, 18944), (18944, 3584), (4608, 3584)]
+    for M in (1024, 2048, 512, 4096, 256, 384, 8192):
+        for N, K in projections:
+            fwd = fused_ops.kernel_config("routed_linear_gather_tma_kernel", "half", M, cc, N, K).endswith("_sk")
+            bwd = fused_ops.kernel_config("routed_linear_tma_kernel", "half", M, cc, K, N, True).endswith("_sk")
+            if fwd or bwd:
+                return M, N, K, fwd, bwd
+    return None
+
+
+@pytest.mark.gpu
+def test_stream_k_last_round(gpu_device):
+    """A shape whose forward or grad-input GEMM the table runs stream-K (the last round's K steps shared out, partial
+    sums summed in a fixed order by each tile's owner; kernels/gemm_tiles.py _sk_share): bf16 forward and every
+    gradient against float64; the same bits again, on a side stream (its own flags buffer) and from a CUDA graph
+    replay with a new mask; NaN-poisoned allocator."""
+    major, minor = torch.cuda.get_device_capability(gpu_device)
+    found = _stream_k_shape(major * 10 + minor) if major == 9 else None
+    if found is None:
+        pytest.skip("stream-K configs run on sm_90 only, where the table has them")
+    M, N, K, fwd, bwd = found
+    torch.cuda.set_device(gpu_device)
     x = strided_view((M,), K, torch.bfloat16, gpu_device)
+    mask = make_mask("span", (M,), gpu_device)
     wv, wt, bv, bt = make_weights(N, K, torch.bfloat16, gpu_device, "both")
     poison_allocator(gpu_device, 8 * M * max(N, K) * 2)
-    out, ref = run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[torch.bfloat16])
+    g = torch.randn(M, N, device=gpu_device).to(torch.bfloat16)
+    out, ref = run_and_check_grads(x, mask, wv, wt, bv, bt, TOL[torch.bfloat16], g=g)
     check_out(out, ref, (M, N), torch.bfloat16, gpu_device, TOL[torch.bfloat16])
+
+    def both():
+        y = OPS.linear_dual(x, mask, wv, wt, bv, bt)
+        return [y] + list(OPS.linear_dual_backward(g, x, mask, wv, wt))
+    first, again = both(), both()
+    side = torch.cuda.Stream(gpu_device)
+    side.wait_stream(torch.cuda.current_stream(gpu_device))
+    with torch.cuda.stream(side):
+        on_side = both()
+    torch.cuda.current_stream(gpu_device).wait_stream(side)
+    torch.cuda.synchronize(gpu_device)
+    for a, b, c in zip(first, again, on_side):
+        assert torch.equal(a, b) and torch.equal(a, c), "stream-K results differ from run to run"
+    assert torch.equal(first[0], out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        both()  # warm-up on the capture stream
+    torch.cuda.current_stream(gpu_device).wait_stream(side)
+    with torch.cuda.graph(graph, stream=side):
+        captured = both()
+    mask.copy_(make_mask("random", (M,), gpu_device))
+    graph.replay()
+    torch.cuda.synchronize(gpu_device)
+    want = both()
+    for a, b in zip(captured, want):
+        assert torch.equal(a, b), "a CUDA graph replay of the stream-K GEMMs differs from the eager call"
 
 
 @pytest.mark.gpu

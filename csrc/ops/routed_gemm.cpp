@@ -518,6 +518,28 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
   return dst;
 }
 
+namespace {
+// The persistent grid of a linear TMA GEMM and what its stream-K configs read (kernels/gemm_tiles.py _sk_share): one
+// program per SM, an fp32 [2 programs, BM, BN] workspace (the pieces' partial sums, and each owner's own piece:
+// _sk_offsets) and the stream's zeroed flags.
+// Without stream-K: programs = min(SMs, the tile bound: persistent, any grid >= 1 covers every tile), and both
+// pointers are `unused` (not read).
+struct StreamK {
+  int64_t programs;
+  at::Tensor ws, flags;  // held until the launch is queued (the allocator's stream order keeps them for the kernel)
+  const void* ws_ptr;
+  const void* flags_ptr;
+};
+StreamK stream_k(const Gemm& g, const KernelConfig& c, int64_t max_tiles, const at::Tensor& like,
+                 const void* unused) {
+  if (!c.stream_k) return {std::max<int64_t>(1, std::min<int64_t>(g.sms, max_tiles)), {}, {}, unused, unused};
+  const int64_t programs = g.sms;
+  at::Tensor ws = at::empty({2 * programs, int64_t{c.block[0]} * c.block[1]}, like.options().dtype(at::kFloat));
+  at::Tensor flags = zeroed_flags_for_current_stream(programs, like);
+  return {programs, ws, flags, ws.data_ptr(), flags.data_ptr()};
+}
+}  // namespace
+
 void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0,
             const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma, const at::Tensor& residual) {
   const int64_t n = w_transposed ? w.cols() : w.rows();  // output columns
@@ -552,16 +574,17 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
       const Experts::Stacked& st = w.stacked();
       // W twice: blocks of BLOCK_N columns, and of BLOCK_N / 2 for a split last round (the box comes from the
       // kernel's metadata).
+      const StreamK sk = stream_k(g, *c, max_row_tiles(r, c->block[0]) * cdiv(n, c->block[1]), out.t,
+                                  r.perm.data_ptr());
       args.ptr(a.t.data_ptr())
           .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
           .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
           .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(res).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-          .ptr(here.mask).i32(r.M)
+          .ptr(here.mask).ptr(sk.ws_ptr).ptr(sk.flags_ptr).i32(r.M)
           .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(out.t.stride(0)).i32(st.map);
-      const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(n, c->block[1]);
       launch_on_current_stream("routed_linear_gather_tma_kernel",
                                linear_gather_tma_key(g, has_bias, has_res, *c, here.block, r.aligned),
-                               args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
+                               args, grid(sk.programs), out.t);
       r.pending = at::Tensor();
       return;
     }
@@ -571,16 +594,17 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     const at::Tensor ap = tma_rows(g, r, a);
     const KernelConfig& c = config(g, "routed_linear_tma_kernel", r.M, n, k, w_transposed ? 1 : 0);
     const Experts::Stacked& st = w.stacked();
+    const StreamK sk = stream_k(g, c, max_row_tiles(r, c.block[0]) * cdiv(n, c.block[1]), out.t, perm_arg(r, out.t));
     args.tensor(ap.data_ptr(), {ap.size(0), k}, {ap.stride(0), 1})
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
         .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})  // wh_desc, as above
         .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(res).ptr(perm_arg(r, out.t)).ptr(seg_arg(r, out.t))
+        .ptr(sk.ws_ptr).ptr(sk.flags_ptr)
         .i32(one_rows(r)).i32(n).i32(k).i32(out.t.stride(0)).i32(st.map);
-    const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(n, c.block[1]);  // persistent: any grid >= 1 covers all
     // An identity routing's token order is its expert order: its rows are written in place, not scattered.
     const bool scatter = !out.expert_ordered && !r.identity;
     launch_on_current_stream("routed_linear_tma_kernel", linear_tma_key(g, scatter, w_transposed, has_bias, has_res, c),
-                             args, grid(std::min<int64_t>(g.sms, tiles)), out.t);
+                             args, grid(sk.programs), out.t);
   } else {
     TORCH_INTERNAL_ASSERT(!r.identity);
     const KernelConfig& c = config(g, "routed_linear_kernel", r.M, n, k, w_transposed ? 1 : 0);

@@ -2,6 +2,11 @@
 
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+
 namespace fused {
 
 void launch_on_current_stream(const char* kernel, const std::string& key, const KernelArgs& args, Grid grid,
@@ -21,6 +26,24 @@ void fill32_on_current_stream(const at::Tensor& t, uint32_t value) {
   const int device = t.get_device();
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   memset32(t.data_ptr(), value, static_cast<size_t>(t.numel()), reinterpret_cast<CUstream>(stream), device);
+}
+
+at::Tensor zeroed_flags_for_current_stream(int64_t n, const at::Tensor& like) {
+  const auto make = [&] {
+    at::Tensor f = at::empty({std::max<int64_t>(n, 1)}, like.options().dtype(at::kInt));
+    fill32_on_current_stream(f, 0);
+    return f;
+  };
+  if (current_stream_is_capturing(like)) return make();  // the graph's own memory, its memset captured with it
+  // Leaked on purpose: tensors must not be freed after the CUDA context is torn down at exit.
+  static std::mutex mu;
+  static auto* buffers = new std::map<std::pair<int, c10::StreamId>, at::Tensor>();
+  const int device = like.get_device();
+  const std::pair<int, c10::StreamId> key{device, c10::cuda::getCurrentCUDAStream(device).id()};
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& f = (*buffers)[key];
+  if (!f.defined() || f.numel() < n) f = make();  // a smaller one is freed stream-ordered, after its last kernel
+  return f;
 }
 
 const char* variant_dtype(at::ScalarType t) {

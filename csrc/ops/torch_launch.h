@@ -17,6 +17,12 @@ void launch_on_current_stream(const char* kernel, const std::string& key, const 
 // current stream of its device (one driver memset; the caller holds a device guard).
 void fill32_on_current_stream(const at::Tensor& t, uint32_t value);
 
+// An int32 buffer of at least n zeros that the kernels launched on the current stream of `like`'s device leave zero
+// again (the stream-K GEMMs' flags: kernels/gemm_tiles.py _sk_collect). One per (device, stream), zeroed once and kept
+// for the process: work on one stream runs in order, so no two kernels use it at once. While that stream captures a
+// CUDA graph, a fresh zeroed one per call (memory of the graph's pool). The caller holds a device guard.
+at::Tensor zeroed_flags_for_current_stream(int64_t n, const at::Tensor& like);
+
 // The dtype's name in the variant keys ("fp32", "fp16", "bf16"; aot/manifest.py DTYPES), nullptr for a dtype no kernel
 // is compiled for.
 const char* variant_dtype(at::ScalarType t);
