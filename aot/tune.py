@@ -3,6 +3,7 @@ JIT (tuning time only; the built package never runs Triton) and writes the winne
 
     python -m aot.tune [--ops linear,swiglu,grad_weight,rope] [--ms 1,16,64,256,1024,4096,16384]
                        [--models matrix | 7b,13b,70b] [--classes 'n<=2048;k<=1024'] [--passes 2] [--grad-input]
+                       [--configs REGEX]
                        [--results tune_sm90.jsonl] [--write aot/configs/sm90.json] [--rep 20] [--budget-s SECONDS]
 
 then rebuild (`bash scripts/retune.sh` does both). What it does:
@@ -19,7 +20,8 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
   linear and gate/up kernels are also measured with one expert (the Llama MLP's routing: perm = arange, x read in
   place; shapes named "..._single"), and a bucket's winner is the best over both routings.
 * candidates: CANDIDATES below plus every config the current table already uses for the kernel (so "default" is
-  always measured next to the winner).
+  always measured next to the winner). --configs REGEX measures only the candidates whose name matches (e.g. '_sk$',
+  the stream-K configs), beside the table's own.
 * each (shape, candidate) is checked once against a float64 reference on sampled rows / columns before it is timed,
   so a fast wrong config cannot win; timings are medians of CUDA-event times over inputs rotated past the L2
   (benchmarks/common.py).
@@ -72,7 +74,7 @@ SINGLE_MAX_M = 64  # up to this m, linear and swiglu are measured with one exper
 # the ops a single-expert call runs (the gather-inside designs serve two experts only)
 SINGLE_OPS = ("linear", "swiglu", "swiglu_pair")
 
-# (block, group, warps, stages[, flatten[, split]]) candidates per kernel. TMA GEMMs: 128-row tiles (the routing
+# (block, group, warps, stages[, flatten[, split[, stream_k]]]) candidates per kernel. TMA GEMMs: 128-row tiles (the routing
 # alignment) or 64 for decode, wide N for the large-m case (what cuBLAS uses on Hopper), narrow N / more stages for
 # decode (more CTAs to stream the weights). Pointer GEMMs: Triton's Ampere configs that fit 99 KiB of shared memory.
 # 16- and 32-row tiles: decode, where the A tile is nearly all padding and shared memory is better spent on more
@@ -89,7 +91,12 @@ _TMA_LINEAR = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128,
                ((128, 256, 64), 8, 8, 3, False, True), ((128, 256, 64), 8, 8, 4, True, True),
                ((128, 128, 64), 8, 8, 4, False, True), ((128, 128, 64), 8, 4, 4, False, True),
                # narrow N (a tensor-parallel slice's QKV): more, smaller tiles to fill the SMs
-               ((64, 128, 128), 8, 4, 4), ((128, 64, 128), 8, 4, 4)] + _TMA_DECODE
+               ((64, 128, 128), 8, 4, 4), ((128, 64, 128), 8, 4, 4),
+               # stream-K: the last partial round's K steps shared out evenly (mid-size m)
+               ((128, 256, 64), 8, 8, 3, False, False, True), ((128, 256, 64), 8, 8, 4, False, False, True),
+               ((128, 256, 64), 8, 8, 4, True, False, True), ((128, 128, 64), 8, 8, 4, False, False, True),
+               ((128, 128, 64), 8, 4, 4, False, False, True), ((64, 128, 128), 8, 4, 4, False, False, True)]
+_TMA_LINEAR += _TMA_DECODE
 _TMA_SWIGLU = [((128, 128, 64), 8, 8, 3), ((128, 128, 64), 8, 8, 4), ((128, 64, 64), 8, 4, 4),
                ((128, 64, 64), 8, 8, 4), ((64, 64, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
                ((64, 32, 64), 8, 4, 6), ((128, 32, 64), 8, 4, 4), ((64, 64, 128), 8, 4, 4),
@@ -104,7 +111,7 @@ _PTR_GRAD_W = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 8, 4), ((64, 128, 
 _ROPE = [((bh, 64, 128), None, w, 1) for bh in (8, 16, 32) for w in (1, 2, 4, 8)]
 
 
-def _entry(block, group, warps, stages, flatten=False, split=False):
+def _entry(block, group, warps, stages, flatten=False, split=False, stream_k=False):
     e = {"block": list(block)}
     if group is not None:
         e["group"] = group
@@ -113,6 +120,8 @@ def _entry(block, group, warps, stages, flatten=False, split=False):
         e["flatten"] = True
     if split:
         e["split"] = True
+    if stream_k:
+        e["stream_k"] = True
     return e
 
 
@@ -207,7 +216,7 @@ class Problem:
         gm, w, s = cfg.get("group", 8), cfg["warps"], cfg["stages"]
         fl = {"FLATTEN": bool(cfg.get("flatten"))} if self.tma and self.op != "grad_weight" else {}
         if self.op in ("linear", "linear_gather") and self.tma:
-            fl["SPLIT_TAIL"] = bool(cfg.get("split"))
+            fl.update(SPLIT_TAIL=bool(cfg.get("split")), STREAM_K=bool(cfg.get("stream_k")))
         from kernels.gemm_gather_tma import launch_routed_linear_gather_tma, launch_routed_swiglu_gather_tma
         from kernels.gemm_pointer import launch_routed_linear, launch_routed_swiglu
         from kernels.gemm_tma import launch_routed_linear_tma, launch_routed_swiglu_pair_tma, launch_routed_swiglu_tma
@@ -401,7 +410,8 @@ def projections(op, name):
 
 def shapes(op, ms, models, grad_input=False):
     """(m, n, k, routing) per measurement of op; routing "dual" (50% random mask), "single" (one expert) or, with
-    grad_input, "dual_t" (the linear kernel's grad-input orientation on the matrix models' projections)."""
+    grad_input, "dual_t" (the linear kernel's grad-input orientation on the matrix models' projections, the gate/up
+    ones included)."""
     if op == "rope":
         return list(RopeProblem.CASES)
     out = []
@@ -409,8 +419,10 @@ def shapes(op, ms, models, grad_input=False):
         for name in models:
             nk = projections(op, name)
             out += [(m, n, k, "dual") for n, k in nk]
-            if grad_input and op == "linear" and name not in MODELS:  # each projection's grad-input GEMM
-                out += [(m, k, n, "dual_t") for n, k in nk]
+            if grad_input and op == "linear" and name not in MODELS:
+                # each projection's grad-input GEMM, and the ffn backward's dx from the gate and up gradients (the
+                # gate/up projections' grad-input: n = H, k = I, a long reduction)
+                out += [(m, k, n, "dual_t") for n, k in nk + projections("swiglu", name)]
             if op in SINGLE_OPS and m <= SINGLE_MAX_M:
                 out += [(m, n, k, "single") for n, k in nk]
     return list(dict.fromkeys(out))
@@ -422,14 +434,15 @@ def shape_str(op, shape):
     return "M{}_N{}_K{}".format(*shape[:3]) + {"single": "_single", "dual_t": "_t"}.get(shape[3], "")
 
 
-def candidates(kernel, cands, table):
-    """The search space plus every config the current table uses for this kernel's half (or all) family."""
+def candidates(kernel, cands, table, only=None):
+    """The search space (with `only`, a regular expression: the configs whose name it matches) plus every config the
+    current table uses for this kernel's half (or all) family."""
     fam = "all" if kernel == "rope_kernel" else "half"
-    out = {ct.cfg_str(e): e for e in (_entry(*c) for c in cands)}
+    out = {ct.cfg_str(e): e for e in (_entry(*c) for c in cands) if not only or re.search(only, ct.cfg_str(e))}
     for e in ct.buckets(table, kernel, fam):
         if e.get("off"):
             continue
-        e = {k: v for k, v in e.items() if k in ("block", "group", "warps", "stages", "flatten", "split")}
+        e = {k: v for k, v in e.items() if k in ("block", "group", "warps", "stages", "flatten", "split", "stream_k")}
         out.setdefault(ct.cfg_str(e), e)
     return fam, out
 
@@ -471,7 +484,7 @@ def load_results(path, device):
     return _aggregate(_raw_results(path, device))
 
 
-def search(ops, ms, models, results_path, rep, budget_s, table, cc, passes=1, grad_input=False):
+def search(ops, ms, models, results_path, rep, budget_s, table, cc, passes=1, grad_input=False, only=None):
     """Measures every (shape, candidate) of the plan `passes` times, each pass after the last, the candidates of
     a shape in reverse order on even passes (a drift of the clock over a run does not favour the configs measured
     first); only the first pass checks results against float64. Returns the aggregated results."""
@@ -481,7 +494,7 @@ def search(ops, ms, models, results_path, rep, budget_s, table, cc, passes=1, gr
     kmap = kernels_for(cc)
     for op in ops:
         kernel, cands = kmap[op]
-        fam, cfgs = candidates(kernel, cands, table)
+        fam, cfgs = candidates(kernel, cands, table, only)
         for shape in shapes(op, ms, models, grad_input):
             m = None if op == "rope" else shape[0]
             plan.append((op, kernel, fam, shape, {c: e for c, e in cfgs.items() if fits_m(kernel, e, m)}))
@@ -666,10 +679,13 @@ def class_winners(done, kernel, ms_list, table, fam, classes):
         kept = [c for c in kept if c not in drop]
 
 
-def _design_choice(done, win, new_table, kmap, op):
+def _design_choice(done, win, new_table, kmap, op, was_on=lambda m: None):
     """For an alternative-design kernel: per m, keep its winner only where it beats the design it replaces, with the
     config the new table gives that m (geometric mean over the shapes); elsewhere "off". The design a gather-inside
-    kernel replaces is a gather copy plus the TMA kernel; the paired gate/up kernel replaces the TMA kernel alone."""
+    kernel replaces is a gather copy plus the TMA kernel; the paired gate/up kernel replaces the TMA kernel alone.
+    was_on(m): whether the table before the re-tune used the kernel at m (None: not known). A design the table used
+    stays on unless the other is more than KEEP_MARGIN faster, one it did not use goes on only if it is more than
+    KEEP_MARGIN faster: a tie (the 50% random masks measured here are one of many) does not flip it."""
     tma_kernel = kmap[ALTERNATIVES[op]][0]
     copy = op in GATHER_DESIGNS
     out = {}
@@ -688,9 +704,10 @@ def _design_choice(done, win, new_table, kmap, op):
             out[m] = ("off", None, {})
             continue
         g = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        on = {True: g <= KEEP_MARGIN, False: g * KEEP_MARGIN < 1, None: g < 1}[was_on(m)]
         other_s = "gather copy + TMA kernel" if copy else tma_kernel
-        print(f"[tune] {op} m={m}: {g:.3f}x the time of {other_s} -> {'on' if g < 1 else 'off'}")
-        out[m] = (cfg, score, per_shape) if g < 1 else ("off", None, {})
+        print(f"[tune] {op} m={m}: {g:.3f}x the time of {other_s} -> {'on' if on else 'off'}")
+        out[m] = (cfg, score, per_shape) if on else ("off", None, {})
     return out
 
 
@@ -781,7 +798,9 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv, classes=()):
         buckets = []
         for cls, win in per_class:
             if kernel in ct.OPTIONAL:
-                win = _design_choice(done, win, new, kmap, op)
+                cur = _incumbent(table, kernel, fam, cls)
+                win = _design_choice(done, win, new, kmap, op,
+                                     lambda m: None if cur(m) is None else cur(m) != "off")
             if cls is not None:
                 print(f"[tune] {kernel}: class {ct.class_str(cls)} gets its own buckets")
             buckets += _buckets(win, cfgs, why, cls, _kept_below(table, kernel, fam, cls, min(ms_list)))
@@ -861,6 +880,10 @@ def main():
     p.add_argument("--grad-input", action="store_true",
                    help="also measure (and choose over) the linear kernel's grad-input orientation, dX = dY·W_e, on "
                         "the matrix models' projections (shapes M..._N..._K..._t): the same table entry serves both")
+    p.add_argument("--configs", default=None,
+                   help="measure only the candidates whose name matches this regular expression (e.g. '_sk$'), beside "
+                        "the configs the table uses: a new kind of config against the current choice, to be re-tuned "
+                        "offline with the earlier measurements")
     p.add_argument("--offline", action="store_true",
                    help="measure nothing: rebuild the report and --write from the --results file (no GPU needed)")
     a = p.parse_args()
@@ -889,7 +912,8 @@ def main():
     if a.offline:
         done = load_results(results, device)
     else:
-        done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc, a.passes, a.grad_input)
+        done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc, a.passes, a.grad_input,
+                      a.configs)
     done = restrict(done, ops, ms_list, models, cc, a.grad_input)
     if a.keep:
         done, ms_list = merge_kept(done, load_results(a.keep, device), ms_list, {kernels_for(cc)[o][0] for o in ops})

@@ -101,6 +101,29 @@ def test_the_gather_in_gemm_design_is_on_only_where_it_beats_gather_copy_plus_tm
     assert b[0] == {"max_m": 1, "off": True} and ct.cfg_str(b[1]) == A and "max_m" not in b[1]
 
 
+def test_a_design_flips_on_or_off_only_when_clearly_faster_or_slower():
+    """The gather-in-GEMM design against gather copy + TMA kernel (1.1 here) within the keep margin keeps the table's
+    choice: on stays on at 1.5% slower, off stays off at 1.5% faster; beyond the margin it flips."""
+    G = "routed_linear_gather_tma_kernel"
+    cases = {256: 1.1 * 1.015, 512: 1.1 / 1.015, 1024: 1.1 * 1.05, 2048: 1.1 / 1.05}
+    recs = []
+    for m, hybrid in cases.items():
+        recs += [_rec(m, 4096, A, 1.0), _rec(m, 4096, A, hybrid, kernel=G), _rec(m, 4096, "gather copy", 0.1, kernel=G)]
+    table = ct.load(90)
+    table["kernels"][G]["half"] = [dict(_e(A), max_m=256), {"max_m": 512, "off": True}, dict(_e(A), max_m=1024),
+                                   {"off": True}]
+    ms = sorted(cases)
+    new = tune.write_table("/dev/null", table, _done(recs), ["linear", "linear_gather"], ms, 90, "GPU X", [])
+    pick = {m: ct.cfg_str(ct.pick(new, G, "half", m)) for m in ms}
+    assert pick == {256: A, 512: "off", 1024: "off", 2048: A}, pick
+
+
+def _e(cfg):
+    """The table entry of a config name such as A."""
+    blk, g, w, st = cfg.split("_")
+    return {"block": [int(v) for v in blk.split("x")], "group": int(g[1:]), "warps": int(w[1:]), "stages": int(st[1:])}
+
+
 def test_keep_merges_an_earlier_run_at_the_m_not_measured_again():
     old = _done([_rec(16, 4096, A, 1.0), _rec(4096, 4096, A, 2.0), _rec(4096, 4096, A, 9.0, kernel="other_kernel")])
     new = _done([_rec(16, 4096, B, 0.5)])
