@@ -84,12 +84,12 @@ PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_li
 # SPLIT_CONFIG where the table's "split" says so (constexpr SPLIT_TAIL), ALWAYS_SPLIT in every config
 SPLIT_CONFIG = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"}
 ALWAYS_SPLIT = {"routed_swiglu_pair_tma_kernel"}
-_ENTRY_FIELDS = {"max_m", "max_n", "max_k", "w_transposed", "block", "group", "warps", "stages", "flatten", "split",
-                 "stream_k", "why", "off"}
 CLASS_FIELDS = ("max_n", "max_k", "w_transposed")  # a shape class's keys, in the order a class is named
 GENERAL = (None, None, None)  # the general class: no bound
-ORDER = ("max_n", "max_k", "w_transposed", "max_m", "off", "block", "group", "warps", "stages", "flatten", "split",
-         "stream_k", "why")
+# a bucket's compiled config: what cfg_str names and a variant is compiled from
+CONFIG_FIELDS = ("block", "group", "warps", "stages", "flatten", "split", "stream_k")
+_ENTRY_FIELDS = {"max_m", *CLASS_FIELDS, *CONFIG_FIELDS, "why", "off"}
+ORDER = (*CLASS_FIELDS, "max_m", "off", *CONFIG_FIELDS, "why")  # the order dumps() writes a bucket's fields in
 # the kernels with a W_TRANSPOSED constexpr (forward and grad-input GEMM): their classes may key on the orientation
 ORIENTED = {"routed_linear_kernel", "routed_linear_tma_kernel"}
 

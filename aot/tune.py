@@ -442,7 +442,7 @@ def candidates(kernel, cands, table, only=None):
     for e in ct.buckets(table, kernel, fam):
         if e.get("off"):
             continue
-        e = {k: v for k, v in e.items() if k in ("block", "group", "warps", "stages", "flatten", "split", "stream_k")}
+        e = {k: v for k, v in e.items() if k in ct.CONFIG_FIELDS}
         out.setdefault(ct.cfg_str(e), e)
     return fam, out
 

@@ -159,9 +159,7 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
     if not has_bias:
         bias0 = bias1 = out
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
-    # stream-K: a share for every program (num_programs, the SMs), whatever the tile count
-    grid, ws, flags = _stream_k_args(STREAM_K, (num_programs if STREAM_K else min(num_programs or tiles, tiles), ),
-                                     BM, BN, out.device)
+    grid, ws, flags = _stream_k_args(STREAM_K, num_programs, tiles, BM, BN, out.device)
     assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
     routed_linear_gather_tma_kernel[grid](a, w_desc, wh_desc, bias0, bias1, out, out if residual is None else residual,
                                           perm, seg, mask_arg, ws, flags, M, M_pad, N, K, a.stride(0), out.stride(0),

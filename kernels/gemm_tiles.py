@@ -322,14 +322,14 @@ def _mask_arg(mask, perm, route_block):
     return (mask.view(torch.int8) if M > 0 else perm), M
 
 
-def _stream_k_args(stream_k, grid, BM, BN, device):
-    """(grid, ws, flags) of a linear TMA launch: with stream_k, every program of the persistent grid takes a share
-    (_sk_share), with the fp32 workspace [2 nprog, BM, BN] (_sk_offsets) and the zeroed int32 flags [nprog] it needs;
-    without it, one-element stand-ins of the argument types (not read)."""
+def _stream_k_args(stream_k, num_programs, tiles, BM, BN, device):
+    """(grid, ws, flags) of a persistent linear TMA launch over at most `tiles` tiles: min(num_programs or tiles, tiles)
+    programs and unread stand-ins; with stream_k, num_programs (the SMs), each taking a share (_sk_share), the fp32
+    workspace [2 nprog, BM, BN] (_sk_offsets) and the zeroed int32 flags [nprog]."""
     import torch
-    n = grid[0] if stream_k else 1
+    n, grid = (num_programs, num_programs) if stream_k else (1, min(num_programs or tiles, tiles))
     ws = torch.empty((2 * n, BM, BN) if stream_k else (1, ), dtype=torch.float32, device=device)
-    return grid, ws, torch.zeros(n, dtype=torch.int32, device=device)
+    return (grid, ), ws, torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def _gate_up_arg(gate_up, h):
