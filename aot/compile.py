@@ -151,7 +151,7 @@ def _config_rows(archs) -> str:
                     wt = -1 if e.get("w_transposed") is None else int(e["w_transposed"])
                     rows.append(f'{{"{kernel}", "{fam}", {arch}, {e.get("max_m", -1)}, {e.get("max_n", -1)}, '
                                 f'{e.get("max_k", -1)}, {wt}, {{{blk}}}, {e.get("group", 1)}, '
-                                f'{e.get("warps", 0)}, {e.get("stages", 0)}, {int(bool(e.get("stream_k")))}, '
+                                f'{e.get("warps", 0)}, {e.get("stages", 0)}, {int(e.get("stream_k", 0))}, '
                                 f'"{config_table.cfg_str(e)}"}}')
     return ("const KernelConfig kConfigs[] = {\n  " + ",\n  ".join(rows) + "};\n"
             f"const size_t kNumConfigs = {len(rows)};\n"

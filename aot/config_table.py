@@ -24,11 +24,12 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
   (n or k None here, negative in C++) takes the general class.
 * `block`, `group` (GROUP_M / GROUP_N), `warps`, `stages`: the meta-parameters compiled in; `"flatten": true` (the
   persistent TMA GEMMs only, PERSISTENT below) flattens the loop over tiles into the K loop, so the compiler's
-  pipeline runs across tiles and the next tile's loads overlap this one's epilogue. `"split": true` (the linear TMA
-  GEMMs, SPLIT_CONFIG below) compiles in the split of a last partial round in column halves (kernels/gemm_tiles.py
-  _split_tail; the paired gate/up GEMM always has it). `"stream_k": true` (the same GEMMs; not with split) shares
-  the K steps of the last partial round's tiles out evenly over the persistent grid, a tile's pieces summed by the
-  program that holds its last steps in a fixed order (kernels/gemm_tiles.py _sk_share). An optional `why` says where
+  pipeline runs across tiles and the next tile's loads overlap this one's epilogue. `"split": S` (2, 4 or 8; the linear
+  TMA GEMMs, SPLIT_CONFIG below) compiles in the split of a last partial round in S column slices (kernels/gemm_tiles.py
+  _split_tail; the paired gate/up GEMM always splits in halves). `"stream_k": R` (the same GEMMs; not with split) shares
+  the K steps of the last R rounds' tiles out evenly over the persistent grid (1: the last partial round; 2: also the
+  whole round before it, so every program gets one to two tiles' steps), a tile's pieces summed by the program that
+  holds its last steps in a fixed order (kernels/gemm_tiles.py _sk_share). An optional `why` says where
   a value comes from.
 * `"off": true` (only for kernels that are an alternative design, OPTIONAL below): the kernel is not used for the
   bucket's m, and the launcher takes the other design (for routed_decode_linear_kernel: the routed linear GEMMs; for
@@ -80,7 +81,7 @@ ROWS_IN_ONE_BLOCK = {"routed_decode_linear_kernel"}
 # the persistent TMA GEMMs, whose tile loop may be flattened into the K loop ("flatten": true; tl.range(flatten=True))
 PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_linear_gather_tma_kernel",
               "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
-# the persistent kernels that split a last partial round in column halves (kernels/gemm_tiles.py _split_tail):
+# the persistent kernels that split a last partial round in column slices (kernels/gemm_tiles.py _split_tail):
 # SPLIT_CONFIG where the table's "split" says so (constexpr SPLIT_TAIL), ALWAYS_SPLIT in every config
 SPLIT_CONFIG = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"}
 ALWAYS_SPLIT = {"routed_swiglu_pair_tma_kernel"}
@@ -108,7 +109,7 @@ def cfg_str(entry: Dict) -> str:
     if "group" in entry:
         s += f"_g{entry['group']}"
     return (s + f"_w{entry['warps']}_s{entry['stages']}" + ("_f" if entry.get("flatten") else "")
-            + ("_t" if entry.get("split") else "") + ("_sk" if entry.get("stream_k") else ""))
+            + {0: "", 2: "_t", 4: "_t4", 8: "_t8"}[entry.get("split", 0)] + {0: "", 1: "_sk", 2: "_sk2"}[entry.get("stream_k", 0)])
 
 
 def _pow2(v) -> bool:
@@ -228,14 +229,16 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
         fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
     if row_idx is not None and ROUTING_ALIGN % blk[row_idx] != 0:
         fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
-    for key in ("split", "stream_k"):
-        if key in e and (name not in SPLIT_CONFIG or not isinstance(e[key], bool)):
-            fail(f"{at}: '{key}' is a bool, and only for {', '.join(sorted(SPLIT_CONFIG))}")
+    for key, kind, ok in (("split", "2, 4 or 8 (column slices)", lambda v: type(v) is int and v in (2, 4, 8)),
+                          ("stream_k", "1 or 2 (rounds shared out)", lambda v: type(v) is int and v in (1, 2))):
+        if key in e and (name not in SPLIT_CONFIG or not ok(e[key])):
+            fail(f"{at}: '{key}' is {kind}, and only for {', '.join(sorted(SPLIT_CONFIG))}; got {e[key]!r}")
     if e.get("stream_k") and e.get("split"):
         fail(f"{at}: 'stream_k' and 'split' are two ways of sharing out the last round: one or the other")
-    if (name in ALWAYS_SPLIT or e.get("split")) and blk[1] < 16:
-        fail(f"{at}: block[1] = {blk[1]} must be at least 16: a split last round loads BLOCK_N / 2 columns per weight "
-             "(kernels/gemm_tiles.py _split_tail), and TMA and the MMA need 8 or more")
+    parts = 2 if name in ALWAYS_SPLIT else e.get("split", 0)
+    if parts and blk[1] < 8 * parts:
+        fail(f"{at}: block[1] = {blk[1]} must be at least {8 * parts}: a last round split in {parts} loads BLOCK_N / "
+             f"{parts} columns per weight (kernels/gemm_tiles.py _split_tail), and TMA and the MMA need 8 or more")
     if e.get("warps") not in (1, 2, 4, 8, 16):
         fail(f"{at}: 'warps' must be 1, 2, 4, 8 or 16, got {e.get('warps')!r}")
     if not (isinstance(e.get("stages"), int) and 1 <= e["stages"] <= 8):

@@ -232,8 +232,8 @@ def _persistent_meta(cfg, prec, **flags) -> Dict[str, object]:
 
 def _split_meta(cfg, prec, **flags) -> Dict[str, object]:
     """_persistent_meta of a linear TMA GEMM: also SPLIT_TAIL and STREAM_K (config_table.SPLIT_CONFIG)."""
-    return dict(_persistent_meta(cfg, prec, **flags), SPLIT_TAIL=bool(cfg.get("split", False)),
-                STREAM_K=bool(cfg.get("stream_k", False)))
+    return dict(_persistent_meta(cfg, prec, **flags), SPLIT_TAIL=int(cfg.get("split", 0)),
+                STREAM_K=int(cfg.get("stream_k", 0)), SK_WAIT=True)
 
 
 def _both(kernel, key, args, meta, cfg, archs) -> List[Variant]:
@@ -352,15 +352,16 @@ def _gemm_variants() -> List[Variant]:
                              archs)
 
         # routed_linear_tma_kernel (sm_90): A expert-ordered through a [BM, BK] descriptor, W stacked [E, R, C]
-        # through a rank-3 descriptor ([1, BN, BK], or [1, BK, BN] when W_TRANSPOSED), and through one of half the
-        # columns for the split last round (kernels/gemm_tiles.py _split_tail; compiled in where the config has
-        # "split"); its FLAG_SETS combinations.
+        # through a rank-3 descriptor ([1, BN, BK], or [1, BK, BN] when W_TRANSPOSED), and through one of BN / S
+        # columns for the last round split in S (kernels/gemm_tiles.py _split_tail; compiled in where the config has
+        # "split": S; BN / 2, unread, without it); its FLAG_SETS combinations.
         for cfg, archs in configs("routed_linear_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             for key, flags in flag_variants("routed_linear_tma_kernel"):
                 wt = key["wt"]
                 wblock = f"1, {bk}, {bn}" if wt else f"1, {bn}, {bk}"
-                hblock = f"1, {bk}, {bn // 2}" if wt else f"1, {bn // 2}, {bk}"
+                bs = bn // cfg.get("split", 2)
+                hblock = f"1, {bk}, {bs}" if wt else f"1, {bs}, {bk}"
                 args = runtime_args("kernels.gemm_tma:routed_linear_tma_kernel", dt,
                                     {"a_desc": f"{bm}, {bk}", "w_desc": wblock, "wh_desc": hblock})
                 out += _both("kernels.gemm_tma:routed_linear_tma_kernel", dict(base, **key), args,
@@ -373,7 +374,7 @@ def _gemm_variants() -> List[Variant]:
         for cfg, archs in configs("routed_linear_gather_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             args = runtime_args("kernels.gemm_gather_tma:routed_linear_gather_tma_kernel", dt,
-                                {"w_desc": f"1, {bn}, {bk}", "wh_desc": f"1, {bn // 2}, {bk}"})
+                                {"w_desc": f"1, {bn}, {bk}", "wh_desc": f"1, {bn // cfg.get('split', 2)}, {bk}"})
             align = config_table.ROUTING_ALIGN
             for route in route_blocks("routed_linear_gather_tma_kernel", fam, cfg):
                 for bias, res in EPILOGUES:

@@ -87,15 +87,22 @@ _TMA_LINEAR = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128,
                ((64, 32, 128), 8, 4, 6), ((64, 64, 128), 8, 4, 6), ((64, 32, 256), 8, 4, 3),
                ((128, 32, 128), 8, 4, 4), ((128, 256, 64), 8, 8, 3, True), ((128, 256, 64), 8, 8, 4, True),
                ((128, 128, 128), 8, 8, 3, True),
-               # with the split last round (mid-size m)
+               # with the last round split in 2, 4 or 8 column slices (mid-size m)
                ((128, 256, 64), 8, 8, 3, False, True), ((128, 256, 64), 8, 8, 4, True, True),
                ((128, 128, 64), 8, 8, 4, False, True), ((128, 128, 64), 8, 4, 4, False, True),
+               ((128, 256, 64), 8, 8, 3, False, 4), ((128, 256, 64), 8, 8, 4, True, 4),
+               ((128, 256, 64), 8, 8, 3, False, 8), ((128, 256, 64), 8, 8, 4, True, 8),
+               ((128, 128, 64), 8, 8, 4, False, 4), ((128, 128, 64), 8, 4, 4, False, 4),
                # narrow N (a tensor-parallel slice's QKV): more, smaller tiles to fill the SMs
                ((64, 128, 128), 8, 4, 4), ((128, 64, 128), 8, 4, 4),
-               # stream-K: the last partial round's K steps shared out evenly (mid-size m)
-               ((128, 256, 64), 8, 8, 3, False, False, True), ((128, 256, 64), 8, 8, 4, False, False, True),
-               ((128, 256, 64), 8, 8, 4, True, False, True), ((128, 128, 64), 8, 8, 4, False, False, True),
-               ((128, 128, 64), 8, 4, 4, False, False, True), ((64, 128, 128), 8, 4, 4, False, False, True)]
+               # stream-K: the K steps of the last partial round (1), or of it and the whole round before it (2),
+               # shared out evenly (mid-size m)
+               ((128, 256, 64), 8, 8, 3, False, False, 1), ((128, 256, 64), 8, 8, 4, False, False, 1),
+               ((128, 256, 64), 8, 8, 4, True, False, 1), ((128, 128, 64), 8, 8, 4, False, False, 1),
+               ((128, 128, 64), 8, 4, 4, False, False, 1), ((64, 128, 128), 8, 4, 4, False, False, 1),
+               ((128, 256, 64), 8, 8, 3, False, False, 2), ((128, 256, 64), 8, 8, 4, False, False, 2),
+               ((128, 256, 64), 8, 8, 4, True, False, 2), ((128, 128, 64), 8, 8, 4, False, False, 2),
+               ((64, 128, 128), 8, 4, 4, False, False, 2)]
 _TMA_LINEAR += _TMA_DECODE
 _TMA_SWIGLU = [((128, 128, 64), 8, 8, 3), ((128, 128, 64), 8, 8, 4), ((128, 64, 64), 8, 4, 4),
                ((128, 64, 64), 8, 8, 4), ((64, 64, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
@@ -111,7 +118,7 @@ _PTR_GRAD_W = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 8, 4), ((64, 128, 
 _ROPE = [((bh, 64, 128), None, w, 1) for bh in (8, 16, 32) for w in (1, 2, 4, 8)]
 
 
-def _entry(block, group, warps, stages, flatten=False, split=False, stream_k=False):
+def _entry(block, group, warps, stages, flatten=False, split=False, stream_k=0):
     e = {"block": list(block)}
     if group is not None:
         e["group"] = group
@@ -119,9 +126,9 @@ def _entry(block, group, warps, stages, flatten=False, split=False, stream_k=Fal
     if flatten:
         e["flatten"] = True
     if split:
-        e["split"] = True
+        e["split"] = 2 if split is True else int(split)
     if stream_k:
-        e["stream_k"] = True
+        e["stream_k"] = int(stream_k)
     return e
 
 
@@ -216,7 +223,7 @@ class Problem:
         gm, w, s = cfg.get("group", 8), cfg["warps"], cfg["stages"]
         fl = {"FLATTEN": bool(cfg.get("flatten"))} if self.tma and self.op != "grad_weight" else {}
         if self.op in ("linear", "linear_gather") and self.tma:
-            fl.update(SPLIT_TAIL=bool(cfg.get("split")), STREAM_K=bool(cfg.get("stream_k")))
+            fl.update(SPLIT_TAIL=int(cfg.get("split", 0)), STREAM_K=int(cfg.get("stream_k", 0)))
         from kernels.gemm_gather_tma import launch_routed_linear_gather_tma, launch_routed_swiglu_gather_tma
         from kernels.gemm_pointer import launch_routed_linear, launch_routed_swiglu
         from kernels.gemm_tma import launch_routed_linear_tma, launch_routed_swiglu_pair_tma, launch_routed_swiglu_tma

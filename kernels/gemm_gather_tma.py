@@ -10,10 +10,10 @@ Conventions (experts, perm / seg, SCATTER_OUT): kernels/gemm_tiles.py.
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import (SK_MAX_PARTS, _gate_up_arg, _half_tile_at, _mask_arg, _routed_row_tiles, _save_gate_up,
-                                _silu_mul, _sk_piece, _sk_share, _split_tail, _store_tile, _stream_k_args, _tile_at,
-                                _tile_rows)
-from kernels.gemm_tma import _linear_epilogue, _linear_step, _sk_finish, _swiglu_step, _w_index
+from kernels.gemm_tiles import (SK_MAX_PARTS, _gate_up_arg, _interpreting, _mask_arg,
+                                _routed_row_tiles, _save_gate_up, _silu_mul, _sk_piece, _sk_share, _split_tail,
+                                _store_tile, _stream_k_args, _tail_part_at, _tile_at, _tile_rows)
+from kernels.gemm_tma import _linear_epilogue, _linear_step, _sk_finish, _sk_fixup, _swiglu_step, _w_index
 from kernels.pdl import grid_dependency_sync
 
 
@@ -60,14 +60,15 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
                                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                                    FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = False,
-                                    STREAM_K: tl.constexpr = False, PDL: tl.constexpr = False):
+                                    FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = 0,
+                                    STREAM_K: tl.constexpr = 0, SK_WAIT: tl.constexpr = True,
+                                    PDL: tl.constexpr = False):
     """The forward of routed_linear_tma_kernel (W through TMA, output rows scattered) with A in token order, its rows
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
     (the gather inside the GEMM), measured against gather + routed_linear_tma_kernel by aot/tune.py.
-    Persistent over the tiles that hold rows; SPLIT_TAIL: a last round split in column halves through wh_desc, as in
-    routed_linear_tma_kernel; STREAM_K: the last partial round's K steps shared out evenly, ws_ptr / flag_ptr as
-    there. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index. HAS_RESIDUAL:
+    Persistent over the tiles that hold rows; SPLIT_TAIL: a last round split in SPLIT_TAIL column slices through
+    wh_desc, as in routed_linear_tma_kernel; STREAM_K: the last STREAM_K rounds' K steps shared out evenly, ws_ptr / flag_ptr
+    / SK_WAIT as there. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index. HAS_RESIDUAL:
     out = A·Wᵀ (+ bias) + residual, res_ptr of out's layout and row stride (a block's residual add)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
@@ -77,9 +78,9 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
     num_pid_n = tl.cdiv(N, BLOCK_N)
     main = num_pid_m * num_pid_n
     if SPLIT_TAIL:
-        main, tail = _split_tail(main, nprog)
+        main, tail = _split_tail(main, nprog, SPLIT_TAIL)
     if STREAM_K:
-        dp, kit, per, lo, it = _sk_share(pid, nprog, main, K, BLOCK_K, SK_MAX_PARTS)
+        dp, kit, per, lo, hi = _sk_share(pid, nprog, main, K, BLOCK_K, SK_MAX_PARTS, STREAM_K)
         main = dp
     for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
@@ -87,23 +88,27 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
         _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
                             offs_n, N, K, stride_am, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, INPUT_PRECISION,
                             BLOCK_M, BLOCK_N, BLOCK_K)
-    if SPLIT_TAIL and pid < 2 * tail:
-        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
-                                                    BLOCK_M, BLOCK_N, GROUP_M)
-        _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
-                            n0, offs_n, N, K, stride_am, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, INPUT_PRECISION,
-                            BLOCK_M, BLOCK_N // 2, BLOCK_K)
-    if STREAM_K:  # the last partial round, shared out
+    if SPLIT_TAIL:
+        if pid < SPLIT_TAIL * tail:
+            row0, row_hi, e, n0, offs_n = _tail_part_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
+                                                        BLOCK_M, BLOCK_N, GROUP_M, SPLIT_TAIL)
+            _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
+                                n0, offs_n, N, K, stride_am, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL,
+                                INPUT_PRECISION, BLOCK_M, BLOCK_N // SPLIT_TAIL, BLOCK_K)
+    if STREAM_K:  # the last STREAM_K rounds, shared out
+        it = hi
         while it > lo:
             tile, k_lo, k_hi = _sk_piece(it, lo, kit)
             row0, row_hi, e, n0, offs_n = _tile_at(dp + tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
                                                    BLOCK_N, GROUP_M)
             acc = _gather_mainloop(a_ptr, w_desc, perm_ptr, row0, row_hi, _w_index(e, w_map), n0, K, stride_am, k_lo,
                                    k_hi, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-            _sk_finish(acc, ws_ptr, flag_ptr, pid, nprog, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr,
-                       res_ptr, perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, True, BLOCK_M,
-                       BLOCK_N)
+            _sk_finish(acc, ws_ptr, flag_ptr, pid, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr,
+                       perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, True, BLOCK_M, BLOCK_N)
             it -= k_hi - k_lo
+        _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
+                  bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, HAS_BIAS, HAS_RESIDUAL, True,
+                  SK_WAIT, BLOCK_M, BLOCK_N, GROUP_M)
 
 
 @triton.jit
@@ -154,7 +159,7 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
     K = a.shape[1]
     N = w_stacked.shape[1]
     w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN, BK])
-    wh_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN // 2, BK])
+    wh_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN // (int(SPLIT_TAIL) or 2), BK])
     has_bias = bias0 is not None
     if not has_bias:
         bias0 = bias1 = out
@@ -167,7 +172,8 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
                                           HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,
                                           INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                           GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
-                                          SPLIT_TAIL=SPLIT_TAIL, STREAM_K=STREAM_K, num_warps=num_warps,
+                                          SPLIT_TAIL=int(SPLIT_TAIL), STREAM_K=int(STREAM_K), SK_WAIT=not _interpreting(),
+                                          num_warps=num_warps,
                                           num_stages=num_stages)
     return out
 

@@ -138,45 +138,51 @@ def _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M: tl.const
 
 
 @triton.jit
-def _split_tail(num_tiles, nprog):
-    """(main, tail) of a persistent walk whose last partial round is split in column halves: tiles [0, main) are
-    walked whole (main is then a multiple of nprog), and program p < 2 * tail takes column half p % 2 of tile
-    main + p // 2 (_half_tile_at). Only when that round holds tiles for at most half the programs (tail = 0
-    otherwise, or when there is no partial round): each of its programs then computes half a tile instead of some
-    computing a whole one while the others idle. 33 x 86 gate/up tiles on 132 SMs are 21 rounds and 66 tiles
-   ."""
+def _split_tail(num_tiles, nprog, PARTS: tl.constexpr):
+    """(main, tail) of a persistent walk whose last partial round is split in PARTS column slices: tiles [0, main) are
+    walked whole (main is then a multiple of nprog), and program p < PARTS * tail takes column slice p % PARTS of tile
+    main + p // PARTS (_tail_part_at). Only when that round's slices fit the programs (tail = 0 otherwise, or when
+    there is no partial round): each of its programs then computes a slice of a tile instead of some computing a
+    whole one while the others idle. 33 x 86 gate/up tiles on 132 SMs are 21 rounds and 66 tiles; 9 x 16 tiles of a
+    routed GEMM of 1024 tokens are a round and 12 tiles, which 8 slices of 32 columns spread over 96 programs."""
     tail = num_tiles % nprog
-    tail = tl.where(2 * tail <= nprog, tail, 0)
+    tail = tl.where(PARTS * tail <= nprog, tail, 0)
     return num_tiles - tail, tail
 
 
 @triton.jit
-def _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """_tile_at of program pid's half tile in _split_tail's tail: columns n0 + [0, BLOCK_N // 2)."""
-    row0, row_hi, e, n0, _ = _tile_at(main + pid // 2, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
-                                      GROUP_M)
-    n0 = n0 + (pid % 2) * (BLOCK_N // 2)
-    return row0, row_hi, e, n0, n0 + tl.arange(0, BLOCK_N // 2)
+def _tail_part_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PARTS: tl.constexpr):
+    """_tile_at of program pid's slice in _split_tail's tail: columns n0 + [0, BLOCK_N // PARTS)."""
+    row0, row_hi, e, n0, _ = _tile_at(main + pid // PARTS, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
+                                      BLOCK_N, GROUP_M)
+    n0 = n0 + (pid % PARTS) * (BLOCK_N // PARTS)
+    return row0, row_hi, e, n0, n0 + tl.arange(0, BLOCK_N // PARTS)
 
 
-SK_MAX_PARTS = tl.constexpr(4)  # stream-K: pieces per tile, at most about (_sk_share)
-SK_CHUNKS = tl.constexpr(4)  # stream-K: an owned tile's pieces are summed in this many column chunks (_sk_sum)
+SK_MAX_PARTS = tl.constexpr(8)  # stream-K: pieces per tile, at most about (_sk_share)
+SK_CHUNKS = tl.constexpr(8)  # stream-K: a cut tile is summed in this many column chunks, shared by its pieces' programs
 
 
 @triton.jit
-def _sk_share(pid, nprog, num_tiles, K, BLOCK_K: tl.constexpr, MAX_PARTS: tl.constexpr):
+def _sk_share(pid, nprog, num_tiles, K, BLOCK_K: tl.constexpr, MAX_PARTS: tl.constexpr, ROUNDS: tl.constexpr):
     """Stream-K (a config's "stream_k") of a persistent walk: the whole rounds of tiles, [0, dp), are walked as
-    without it (tile pid, pid + nprog, ...), and the K steps of the tiles of the last partial round, [dp, num_tiles),
-    are cut into equal contiguous shares, one per program, so that every SM ends at about the same time (a routed GEMM
-    of 2048 tokens has 2 rounds and a few tiles of 128 x 256 on 132 SMs: without it the last round idles most SMs).
-    Only that round: shares over every tile would have the programs work on tiles far apart at any moment, and the
-    weights' tiles, read once from HBM for the row tiles walked together, would be read again by each program (2.4x
-    slower at 1024 x 14336 x 4096, H100). Returns (dp, kit, per, lo, hi): K steps per tile, the share's length and
-    program pid's share [lo, hi) in steps counted from tile dp. A share is at least kit / MAX_PARTS steps long, so
-    that no tile is cut into more than about MAX_PARTS pieces (each piece but one is a [BM, BN] fp32 partial sum
-    written and read again): with few tiles left, programs past the last share idle."""
-    dp = (num_tiles // nprog) * nprog
+    without it (tile pid, pid + nprog, ...), and the K steps of the tiles of the last ROUNDS rounds, [dp, num_tiles)
+    (the last, partial one and ROUNDS - 1 whole ones before it, where there are), are cut into equal contiguous
+    shares, one per program, so that every SM ends at about the same time (a routed GEMM of 2048 tokens has 2 rounds
+    and a few tiles of 128 x 256 on 132 SMs: without it the last round idles most SMs). ROUNDS = 1 shares the few
+    tiles of the last round out in short shares; ROUNDS = 2 gives every program one to two tiles' steps, so a tile is
+    cut in at most two pieces (the Stream-K paper's "data-parallel + one stream-K round" hybrid). Not more rounds:
+    shares over every tile would have the programs work on tiles far apart at any moment, and the weights' tiles,
+    read once from HBM for the row tiles walked together, would be read again by each program (2.4x slower at 1024 x
+    14336 x 4096, H100). Returns (dp, kit, per, lo, hi): K steps per tile, the share's length and program pid's share
+    [lo, hi) in steps counted from tile dp. A share is at least kit / MAX_PARTS steps long, so that no tile is cut
+    into more than about MAX_PARTS pieces (each piece costs its program a pipeline start and a [BM, BN] fp32 partial
+    sum written and read again): with few tiles left, programs past the last share idle. Nothing is shared (dp =
+    num_tiles) where the last round is more than half full or empty: cutting its tiles would cost more than the idle
+    programs it spares (126 tiles of Qwen2.5-7B's down projection at 1024 tokens on 132 SMs: 1.14x slower shared)."""
+    r = num_tiles % nprog
+    dp = tl.where((r > 0) & (2 * r <= nprog), tl.maximum(num_tiles // nprog - (ROUNDS - 1), 0) * nprog, num_tiles)
     kit = tl.cdiv(K, BLOCK_K)
     total = (num_tiles - dp) * kit
     per = tl.maximum(tl.cdiv(total, nprog), tl.cdiv(kit, MAX_PARTS))
@@ -188,61 +194,93 @@ def _sk_share(pid, nprog, num_tiles, K, BLOCK_K: tl.constexpr, MAX_PARTS: tl.con
 @triton.jit
 def _sk_piece(it, lo, kit):
     """The piece of a stream-K share [lo, hi) that ends at step `it`: (tile, k_lo, k_hi), the K steps [k_lo, k_hi) of
-    tile `tile`. A share is walked from its end, so each program first computes the piece of its last tile (the
-    tile's first K steps, never the last: a partial sum, _sk_publish) and last the piece of its first tile, whose last K
-    steps it holds: it owns that tile (_sk_wait, _sk_sum) and by then the programs before it have published."""
+    tile `tile`. A share is walked from its end; a piece short of its tile (k_lo > 0 or k_hi < kit) is published
+    (_sk_publish) and summed with the tile's other pieces after the walk (_sk_holders, _sk_gather)."""
     tile = (it - 1) // kit
     first = tile * kit
     return tile, tl.maximum(first, lo) - first, it - first
 
 
 @triton.jit
+def _sk_holders(tile, kit, per):
+    """(q0, parts): tile `tile` of the shared rounds is held by programs q0 .. q0 + parts - 1 (the shares that hold its
+    steps). q0 also names the tile's counters: no two cut tiles start in the same share."""
+    q0 = (tile * kit) // per
+    return q0, ((tile + 1) * kit - 1) // per - q0 + 1
+
+
+@triton.jit
+def _sk_slot(q, tile, kit, per):
+    """The workspace slot of program q's piece of tile `tile`: 2q for the piece in its share's first tile, 2q + 1 for
+    the one in its last (a share cuts at most two tiles: at most one whole tile lies between them)."""
+    return 2 * q + (tile != (q * per) // kit).to(tl.int32)
+
+
+@triton.jit
 def _sk_offsets(slot, c0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
-    """Element offsets of columns [c0, c0 + WIDTH) of workspace slot `slot`, a [BLOCK_M, BLOCK_N] fp32 tile. The
-    workspace holds 2 nprog slots: slot q < nprog, program q's published partial sum; slot nprog + q, program q's
-    own piece of the tile it owns (_sk_sum)."""
+    """Element offsets of columns [c0, c0 + WIDTH) of workspace slot `slot`, a [BLOCK_M, BLOCK_N] fp32 tile (the
+    workspace holds 2 nprog slots: _sk_slot)."""
     return (slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + c0
             + tl.arange(0, WIDTH)[None, :])
 
 
 @triton.jit
-def _sk_publish(acc, ws_ptr, flag_ptr, pid, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A piece that does not end its tile: its partial sum into slot pid, then flag[pid] = 1 (release, after a CTA
-    barrier: every thread's stores are visible before the flag). A program publishes at most once per launch."""
-    tl.store(ws_ptr + _sk_offsets(pid, 0, BLOCK_M, BLOCK_N, BLOCK_N), acc)
+def _sk_publish(acc, ws_ptr, flag_ptr, pid, tile, kit, per, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A piece short of its tile: its fp32 partial sum into its slot, then the tile's arrival count flag[q0] + 1
+    (release, after a CTA barrier: every thread's stores are visible before the count)."""
+    tl.store(ws_ptr + _sk_offsets(_sk_slot(pid, tile, kit, per), 0, BLOCK_M, BLOCK_N, BLOCK_N), acc)
     tl.debug_barrier()
-    tl.atomic_xchg(flag_ptr + pid, 1, sem="release", scope="gpu")
+    q0, _ = _sk_holders(tile, kit, per)
+    tl.atomic_add(flag_ptr + q0, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _sk_wait(acc, ws_ptr, flag_ptr, pid, nprog, tile, kit, per, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The owner of a tile cut into pieces (it holds the tile's last K steps): stores its own piece into slot
-    nprog + pid, then waits for the programs before it that hold the tile's earlier steps, q = pid - 1 down to
-    q_first, each flag waited for and reset to 0 in one compare-and-swap (the flags are zero again after every launch).
-    Returns q_first; _sk_sum then adds the pieces column chunk by column chunk, so that no second [BM, BN] fp32 tile
-    is ever held in registers beside the accumulator (which spilled the 128 x 256 tiles). The wait needs those programs
-    resident or done: the grid is one program per SM, and a program publishes before it ever waits (_sk_piece)."""
-    tl.store(ws_ptr + _sk_offsets(nprog + pid, 0, BLOCK_M, BLOCK_N, BLOCK_N), acc)
-    q_first = (tile * kit) // per
-    q = pid - 1
-    while q >= q_first:
-        while tl.atomic_cas(flag_ptr + q, 1, 0, sem="acquire", scope="gpu") != 1:
+def _sk_cut(tile, lo, hi, kit):
+    """Whether the share [lo, hi) holds a piece of tile `tile` short of the whole tile."""
+    return (lo < hi) & ((lo > tile * kit) | (hi < (tile + 1) * kit))
+
+
+@triton.jit
+def _sk_chunks(flag_ptr, pid, tile, kit, per, WAIT: tl.constexpr):
+    """The column chunks of a cut tile that program pid sums (after every piece of its share was published):
+    (first, step, q0, parts), chunks first, first + step, ... below SK_CHUNKS. WAIT (on a GPU, where all programs
+    run at once): waits until all `parts` pieces have arrived (acquire), then takes every parts-th chunk from its
+    own index among the holders, so the tile's pieces' programs share its sum (one program summing every piece read
+    them all: 4 x 128 KB at 128 x 256). Without WAIT (the Triton interpreter, which runs programs one after the
+    other): only the last to arrive, which sees every piece, sums them all; the others take none."""
+    q0, parts = _sk_holders(tile, kit, per)
+    if WAIT:
+        while tl.atomic_add(flag_ptr + q0, 0, sem="acquire", scope="gpu") < parts:
             pass
-        q -= 1
-    tl.debug_barrier()  # the own piece's stores, by every thread, before any thread reads them back
-    return q_first
+        tl.debug_barrier()  # no thread reads a piece before the count said it was there
+        first = pid - q0
+        step = parts
+    else:
+        arrived = tl.atomic_add(flag_ptr + q0, 0, sem="acquire", scope="gpu")
+        first = tl.where(arrived == parts, 0, SK_CHUNKS)
+        step = 1
+    return first, step, q0, parts
 
 
 @triton.jit
-def _sk_sum(ws_ptr, pid, nprog, q_first, c0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
-    """Columns [c0, c0 + WIDTH) of an owned tile (after _sk_wait): the owner's piece plus the partial sums of the
-    programs before it, nearest first. A fixed order: the same bits from run to run (no atomic adds)."""
-    s = tl.load(ws_ptr + _sk_offsets(nprog + pid, c0, BLOCK_M, BLOCK_N, WIDTH))
-    q = pid - 1
-    while q >= q_first:
-        s += tl.load(ws_ptr + _sk_offsets(q, c0, BLOCK_M, BLOCK_N, WIDTH), cache_modifier=".cg")
-        q -= 1
+def _sk_gather(ws_ptr, tile, q0, parts, kit, per, c0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               WIDTH: tl.constexpr):
+    """Columns [c0, c0 + WIDTH) of a cut tile: its pieces' partial sums added in program order, q0 first. A fixed
+    order whoever sums the chunk: the same bits from run to run (no atomic adds)."""
+    s = tl.zeros([BLOCK_M, WIDTH], dtype=tl.float32)
+    for q in range(q0, q0 + parts):
+        s += tl.load(ws_ptr + _sk_offsets(_sk_slot(q, tile, kit, per), c0, BLOCK_M, BLOCK_N, WIDTH),
+                     cache_modifier=".cg")
     return s
+
+
+@triton.jit
+def _sk_leave(flag_ptr, nprog, q0, parts):
+    """A holder is done with the tile: flag[nprog + q0] counts the departures, and the last to leave sets both of the
+    tile's counters back to 0 (every holder has passed its wait by then), so the flags are zero after the launch."""
+    if tl.atomic_add(flag_ptr + nprog + q0, 1, sem="acq_rel", scope="gpu") == parts - 1:
+        tl.atomic_xchg(flag_ptr + q0, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(flag_ptr + nprog + q0, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -324,12 +362,20 @@ def _mask_arg(mask, perm, route_block):
 
 def _stream_k_args(stream_k, num_programs, tiles, BM, BN, device):
     """(grid, ws, flags) of a persistent linear TMA launch over at most `tiles` tiles: min(num_programs or tiles, tiles)
-    programs and unread stand-ins; with stream_k, num_programs (the SMs), each taking a share (_sk_share), the fp32
-    workspace [2 nprog, BM, BN] (_sk_offsets) and the zeroed int32 flags [nprog]."""
+    programs and unread stand-ins; with stream_k (1 or 2 rounds), num_programs (the SMs), each taking a share
+    (_sk_share), the fp32 workspace [2 nprog, BM, BN] (_sk_slot) and the zeroed int32 flags [2 nprog] (each cut tile's
+    arrival and departure counts: _sk_publish, _sk_leave)."""
     import torch
     n, grid = (num_programs, num_programs) if stream_k else (1, min(num_programs or tiles, tiles))
     ws = torch.empty((2 * n, BM, BN) if stream_k else (1, ), dtype=torch.float32, device=device)
-    return (grid, ), ws, torch.zeros(n, dtype=torch.int32, device=device)
+    return (grid, ), ws, torch.zeros(2 * n, dtype=torch.int32, device=device)
+
+
+def _interpreting():
+    """Whether kernels run under the Triton interpreter (TRITON_INTERPRET=1), which runs a grid's programs one after
+    the other: a program must never wait there for a later one (a stream-K config's SK_WAIT)."""
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _gate_up_arg(gate_up, h):

@@ -15,9 +15,10 @@ Conventions (experts, perm / seg, the generic GEMM with W_TRANSPOSED, SCATTER_OU
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import (SK_CHUNKS, SK_MAX_PARTS, _add_bias, _add_residual, _gate_up_arg, _half_tile_at,
-                                _ordered_offsets, _row_tiles, _save_gate_up, _silu_mul, _sk_piece, _sk_publish,
-                                _sk_share, _sk_sum, _sk_wait, _split_tail, _store_tile, _stream_k_args, _tile_at,
+from kernels.gemm_tiles import (SK_CHUNKS, SK_MAX_PARTS, _add_bias, _add_residual, _gate_up_arg,
+                                _interpreting, _ordered_offsets, _row_tiles, _save_gate_up, _silu_mul, _sk_chunks,
+                                _sk_cut, _sk_gather, _sk_leave, _sk_piece, _sk_publish, _sk_share, _split_tail,
+                                _store_tile, _stream_k_args, _tail_part_at, _tile_at,
                                 _walk_tiles)
 from kernels.pdl import grid_dependency_sync
 from kernels.swiglu_backward import swiglu_grads
@@ -72,25 +73,43 @@ def _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0
 
 
 @triton.jit
-def _sk_finish(acc, ws_ptr, flag_ptr, pid, nprog, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr,
-               perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+def _sk_finish(acc, ws_ptr, flag_ptr, pid, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr,
+               row0, row_hi, e, n0, N, stride_om, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                SCATTER_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A stream-K piece's end (kernels/gemm_tiles.py _sk_share): a piece short of its tile's last K step is published;
-    a whole tile gets its epilogue; the owner of a cut tile waits for the other pieces and runs the epilogue on their
-    sum, SK_CHUNKS column chunks one after the other (_sk_wait, _sk_sum)."""
-    if k_hi < kit:
-        _sk_publish(acc, ws_ptr, flag_ptr, pid, BLOCK_M, BLOCK_N)
-    elif k_lo == 0:
+    """A stream-K piece's end (kernels/gemm_tiles.py _sk_share): a whole tile gets its epilogue; a piece of a cut tile
+    is published, and summed with the tile's other pieces after the share's walk (_sk_fixup)."""
+    if (k_lo == 0) & (k_hi == kit):
         _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
                          n0 + tl.arange(0, BLOCK_N), N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, BLOCK_M)
     else:
-        q_first = _sk_wait(acc, ws_ptr, flag_ptr, pid, nprog, tile, kit, per, BLOCK_M, BLOCK_N)
-        WIDTH: tl.constexpr = BLOCK_N // SK_CHUNKS
-        for c in tl.static_range(SK_CHUNKS):
-            s = _sk_sum(ws_ptr, pid, nprog, q_first, c * WIDTH, BLOCK_M, BLOCK_N, WIDTH)
-            _linear_epilogue(s, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
-                             n0 + c * WIDTH + tl.arange(0, WIDTH), N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT,
-                             BLOCK_M)
+        _sk_publish(acc, ws_ptr, flag_ptr, pid, tile, kit, per, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
+              bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, HAS_BIAS: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, SCATTER_OUT: tl.constexpr, WAIT: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """After a stream-K share's walk, every piece of it published: for each tile the share cut (its first and last;
+    a tile between them is whole), this program's column chunks of the tile's sum (_sk_chunks: with WAIT, after every
+    holder published, every parts-th chunk), each added up from the pieces in program order (_sk_gather) and run
+    through the epilogue; then it leaves the tile (_sk_leave). Publishing everything before waiting on anything keeps
+    it free of deadlock: the programs are one per SM, all resident, and a wait is only for publishes that wait on
+    nothing."""
+    WIDTH: tl.constexpr = BLOCK_N // SK_CHUNKS
+    first_tile = lo // kit
+    last_tile = (hi - 1) // kit
+    for tile in range(first_tile, last_tile + 1, tl.maximum(last_tile - first_tile, 1)):
+        if _sk_cut(tile, lo, hi, kit):
+            row0, row_hi, e, n0, _ = _tile_at(dp + tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
+                                              GROUP_M)
+            first, step, q0, parts = _sk_chunks(flag_ptr, pid, tile, kit, per, WAIT)
+            for c in range(first, SK_CHUNKS, step):
+                s = _sk_gather(ws_ptr, tile, q0, parts, kit, per, c * WIDTH, BLOCK_M, BLOCK_N, WIDTH)
+                _linear_epilogue(s, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
+                                 n0 + c * WIDTH + tl.arange(0, WIDTH), N, stride_om, HAS_BIAS, HAS_RESIDUAL,
+                                 SCATTER_OUT, BLOCK_M)
+            _sk_leave(flag_ptr, nprog, q0, parts)
 
 
 @triton.jit
@@ -114,21 +133,22 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
                              W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr,
-                             FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = False, STREAM_K: tl.constexpr = False,
-                             PDL: tl.constexpr = False):
+                             FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = 0, STREAM_K: tl.constexpr = 0,
+                             SK_WAIT: tl.constexpr = True, PDL: tl.constexpr = False):
     """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
-    (W_TRANSPOSED: [2, K, N] block [1, BK, BN]); wh_desc: the same tensor with half the columns per block (BN / 2),
-    for SPLIT_TAIL (a config's "split"): a last round split in column halves (_split_tail: at 2048 tokens, 17 x 16
-    tiles of 128 x 256 are 2 rounds and 8 tiles on 132 SMs). Not compiled in where the table does
+    (W_TRANSPOSED: [2, K, N] block [1, BK, BN]); wh_desc: the same tensor with BN / SPLIT_TAIL columns per block
+    (BN / 2 without it), for SPLIT_TAIL (a config's "split": 2, 4 or 8): a last round split in that many column
+    slices (_split_tail: at 2048 tokens, 17 x 16 tiles of 128 x 256 are 2 rounds and 8 tiles on 132 SMs). Not compiled in where the table does
     not ask for it: the code after the tile loop cost the flattened large-m kernels 1-3%. Persistent over the
     row tiles of _row_tiles x cdiv(N, BN): with SCATTER_OUT only the tiles that hold rows, else every tile below
     end = seg[2] (an expert-ordered output is written up to end, padding rows included). one_rows > 0 (with
     SCATTER_OUT = False): one expert, rows in token order, no perm / seg (_walk_tiles). w_map: the experts' order
     along w_desc's first dimension (_w_index). HAS_RESIDUAL: out = A·Wᵀ (+ bias) + residual, res_ptr of out's
     layout and row stride (the ffn down projection's residual add). STREAM_K (a config's "stream_k"; not with
-    SPLIT_TAIL): the K steps of the last partial round's tiles shared out evenly (_sk_share), partial sums through
-    ws_ptr ([2 nprog, BM, BN] fp32: _sk_offsets) and flag_ptr (int32 [nprog], zero before and after the launch);
-    without it neither is read."""
+    SPLIT_TAIL): the K steps of the last STREAM_K rounds' tiles (1: the last partial round; 2: also the whole round
+    before it) shared out evenly (_sk_share), partial sums through
+    ws_ptr ([2 nprog, BM, BN] fp32: _sk_slot) and flag_ptr (int32 [2 nprog], zero before and after the launch);
+    without it neither is read. SK_WAIT: False only under the Triton interpreter (_sk_chunks)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -136,9 +156,9 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
     num_pid_n = tl.cdiv(N, BLOCK_N)
     main = num_pid_m * num_pid_n
     if SPLIT_TAIL:
-        main, tail = _split_tail(main, nprog)
+        main, tail = _split_tail(main, nprog, SPLIT_TAIL)
     if STREAM_K:
-        dp, kit, per, lo, it = _sk_share(pid, nprog, main, K, BLOCK_K, SK_MAX_PARTS)
+        dp, kit, per, lo, hi = _sk_share(pid, nprog, main, K, BLOCK_K, SK_MAX_PARTS, STREAM_K)
         main = dp
     for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
@@ -146,23 +166,28 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
         _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
                          offs_n, N, K, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, W_TRANSPOSED,
                          INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    if SPLIT_TAIL and pid < 2 * tail:
-        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
-                                                    BLOCK_M, BLOCK_N, GROUP_M)
-        _tma_linear_tile(a_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
-                         offs_n, N, K, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, W_TRANSPOSED,
-                         INPUT_PRECISION, BLOCK_M, BLOCK_N // 2, BLOCK_K)
-    if STREAM_K:  # the last partial round, shared out
+    if SPLIT_TAIL:
+        if pid < SPLIT_TAIL * tail:
+            row0, row_hi, e, n0, offs_n = _tail_part_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
+                                                        BLOCK_M, BLOCK_N, GROUP_M, SPLIT_TAIL)
+            _tma_linear_tile(a_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
+                             offs_n, N, K, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, W_TRANSPOSED,
+                             INPUT_PRECISION, BLOCK_M, BLOCK_N // SPLIT_TAIL, BLOCK_K)
+    if STREAM_K:  # the last STREAM_K rounds, shared out
+        it = hi
         while it > lo:
             tile, k_lo, k_hi = _sk_piece(it, lo, kit)
             row0, row_hi, e, n0, offs_n = _tile_at(dp + tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
                                                    BLOCK_N, GROUP_M)
             acc = _tma_mainloop(a_desc, w_desc, _w_index(e, w_map), row0, n0, k_lo, k_hi, W_TRANSPOSED,
                                 INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-            _sk_finish(acc, ws_ptr, flag_ptr, pid, nprog, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr,
-                       res_ptr, perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT,
-                       BLOCK_M, BLOCK_N)
+            _sk_finish(acc, ws_ptr, flag_ptr, pid, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr,
+                       perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, BLOCK_M,
+                       BLOCK_N)
             it -= k_hi - k_lo
+        _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
+                  bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT,
+                  SK_WAIT, BLOCK_M, BLOCK_N, GROUP_M)
 
 
 @triton.jit
@@ -226,7 +251,7 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, w13h_desc, h_ptr, gu_ptr, pe
     nprog = tl.num_programs(0)
     start1, t0, num_pid_m, hi0, hi1 = _walk_tiles(seg_ptr, one_rows, BLOCK_M, False)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    main, tail = _split_tail(num_pid_m * num_pid_n, nprog)
+    main, tail = _split_tail(num_pid_m * num_pid_n, nprog, 2)
     for tile in tl.range(pid, main, nprog, flatten=FLATTEN):
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
@@ -236,8 +261,8 @@ def routed_swiglu_pair_tma_kernel(a_desc, w13_desc, w13h_desc, h_ptr, gu_ptr, pe
         if SAVE:
             _save_gate_up(gu_ptr, g, u, perm_ptr, one_rows, row0, row_hi, offs_n, N, stride_gu, BLOCK_M)
     if pid < 2 * tail:
-        row0, row_hi, e, n0, offs_n = _half_tile_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
-                                                    BLOCK_N, GROUP_M)
+        row0, row_hi, e, n0, offs_n = _tail_part_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M,
+                                                    BLOCK_N, GROUP_M, 2)
         g, u = _pair_gate_up(a_desc, w13h_desc, _w_index(e, w_map), row0, n0, K, up_first, INPUT_PRECISION, BLOCK_M,
                              BLOCK_N // 2, BLOCK_K)
         _store_tile(h_ptr, _silu_mul(g, u), perm_ptr, row0, row_hi, offs_n, N, stride_hm, False, BLOCK_M)
@@ -318,7 +343,8 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
     N = w_stacked.shape[2] if w_transposed else w_stacked.shape[1]
     a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
     w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BK, BN] if w_transposed else [1, BN, BK])
-    wh_desc = TensorDescriptor.from_tensor(w_stacked, [1, BK, BN // 2] if w_transposed else [1, BN // 2, BK])
+    bs = BN // (int(SPLIT_TAIL) or 2)  # the split last round's slice (a placeholder of BN / 2 without one)
+    wh_desc = TensorDescriptor.from_tensor(w_stacked, [1, BK, bs] if w_transposed else [1, bs, BK])
     has_bias = bias0 is not None
     if not has_bias:
         bias0 = bias1 = out
@@ -329,8 +355,8 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
                                    perm, seg, ws, flags, one_rows, N, K, out.stride(0), w_map, HAS_BIAS=has_bias,
                                    HAS_RESIDUAL=residual is not None, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                   GROUP_M=GROUP_M, FLATTEN=FLATTEN, SPLIT_TAIL=SPLIT_TAIL, STREAM_K=STREAM_K,
-                                   num_warps=num_warps, num_stages=num_stages)
+                                   GROUP_M=GROUP_M, FLATTEN=FLATTEN, SPLIT_TAIL=int(SPLIT_TAIL), STREAM_K=int(STREAM_K),
+                                   SK_WAIT=not _interpreting(), num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -18,17 +18,18 @@ def sync(device):
 def split_counts(kernel, M, K, cc, sms, wt=None):
     """(c0, c1, N) for the persistent routed GEMM `kernel` at M rows and reduction K (wt: its orientation, for
     routed_linear_tma_kernel), such that the table's config for that GEMM (its shape class included) shares out a last
-    partial round: "split" (in column halves, kernels/gemm_tiles.py _split_tail) or "stream_k" (by K steps,
+    partial round: "split" (in S column slices, kernels/gemm_tiles.py _split_tail) or "stream_k" (by K steps,
     _sk_share). Both experts' last row tiles partial (c0 + c1 = M rows), N's last column tile partial (N a multiple
     of 32), the tile count T above the SM count and its last round one the config shares out (split:
-    0 < 2 (T mod SMs) <= SMs; stream-K: T mod SMs > 0). None where no N gives that (not sm_90, an "off" bucket, or no
+    0 < S (T mod SMs) <= SMs; stream-K: T mod SMs > 0). None where no N gives that (not sm_90, an "off" bucket, or no
     such config at M)."""
     import fused_ops
     if cc // 10 != 9:
         return None
     for N in range(64, 16384 + 1, 32):
         cfg = fused_ops.kernel_config(kernel, "half", M, cc, N, K, wt)
-        stream_k, split = cfg.endswith("_sk"), cfg.endswith("_t")
+        stream_k = cfg.endswith(("_sk", "_sk2"))
+        split = {"_t": 2, "_t4": 4, "_t8": 8}.get(cfg[cfg.rfind("_"):], 0)
         if not (stream_k or split):
             continue
         bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])
@@ -38,6 +39,6 @@ def split_counts(kernel, M, K, cc, sms, wt=None):
             continue
         tiles = (-(-c0 // bm) + -(-c1 // bm)) * -(-N // bn)
         r = tiles % sms
-        if tiles > sms and (r > 0 if stream_k else 0 < 2 * r <= sms):
+        if tiles > sms and (r > 0 if stream_k else 0 < split * r <= sms):
             return c0, c1, N
     return None

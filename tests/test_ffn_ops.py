@@ -632,7 +632,7 @@ def check_shuffled_counts(device, c0, c1, H, I, seed):  # noqa: E741
 @pytest.mark.gpu
 def test_down_split_last_round(gpu_device):
     """The down projection (routed_linear_tma_kernel, scattered rows of the unaligned routing) computes a last partial
-    round shared out as its table config says (in column halves, kernels/gemm_tiles.py _split_tail, or by K steps,
+    round shared out as its table config says (in column slices, kernels/gemm_tiles.py _split_tail, or by K steps,
     _sk_share): at M = 1000, 2000 and 3000 tokens where the table has such a config, expert counts and H chosen for
     this GPU's SM count and that config (device_helpers.split_counts), the tokens shuffled; at least one M must have
     one. bf16 forward and every gradient against float64, NaN-poisoned allocator."""

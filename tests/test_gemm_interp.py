@@ -444,13 +444,55 @@ def test_linear_forward_residual(dtype, path):
     assert torch.isnan(out_all[M:]).all() and torch.isnan(out_all[:, N:]).all()
 
 
+@pytest.mark.parametrize("path", ["tma", "tma_grad_input", "gather_tma"])
+@pytest.mark.parametrize("parts", [4, 8])
+@pytest.mark.parametrize("kind", ["random", "all_true"])
+def test_split_tail_slices(path, parts, kind):
+    """SPLIT_TAIL = 4 or 8 (a config's "split") on both linear TMA kernels: a last round of r tiles split in
+    parts * r column slices of BN / parts, one per program, when they fit the programs (halves and their edge cases:
+    test_linear_split_last_round). The grid is one program short of the tile count, so the last round is one tile,
+    split; bias on the forward paths, a NaN-poisoned output with a wider row stride (an unwritten slice shows)."""
+    M, N, K = 37, 192, 192  # 3 whole column tiles of 64 either way (the split tile is the last): slices of 8 or more
+    BM, BN, BK = 16, 64, 16
+    gen = torch.Generator().manual_seed(41)
+    mask = make_mask(kind, M, gen)
+    grad_input = path == "tma_grad_input"
+    x = rnd(gen, M, N if grad_input else K)
+    w = rnd(gen, 2, N, K)
+    b0, b1 = (None, None) if grad_input else (rnd(gen, N), rnd(gen, N))
+    n_out = K if grad_input else N
+    perm, seg = route(mask, align=ALIGN)
+    counts = seg[3:].tolist()
+    tiles = sum(-(-c // BM) for c in counts) * -(-(K if grad_input else N) // BN)
+    programs = tiles - 1
+    assert 0 < parts * (tiles % programs) <= programs  # the case this test is meant to hit
+    out_all = torch.full((M + 4, n_out + 8), float("nan"))
+    out = out_all[:M, :n_out]
+    kw = dict(input_precision="ieee", num_programs=programs, SPLIT_TAIL=parts, BM=BM, BN=BN, BK=BK)
+    if path == "gather_tma":
+        launch_routed_linear_gather_tma(x, w, b0, b1, out, perm, seg, align=ALIGN, **kw)
+    else:
+        launch_routed_linear_tma(gathered(x, perm, perm.shape[0]), w, b0, b1, out, perm, seg,
+                                 w_transposed=grad_input, **kw)
+    xd = x.double()
+    if grad_input:
+        ref = torch.where(mask[:, None], xd @ w[1].double(), xd @ w[0].double())
+    else:
+        ref = ref_linear(x, w[0], w[1], b0, b1, mask)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert torch.isnan(out_all[M:]).all() and torch.isnan(out_all[:, n_out:]).all()
+
+
 @pytest.mark.parametrize("path", ["tma", "tma_grad_input", "tma_expert_ordered", "gather_tma", "gather_tma_routes"])
-@pytest.mark.parametrize("programs", [5, 40])
+@pytest.mark.parametrize("grid, rounds", [("few", 1), ("many", 1), ("few", 2), ("full", 1)])
 @pytest.mark.parametrize("kind", ["random", "span", "all_true"])
-def test_stream_k(path, programs, kind, monkeypatch):
-    """STREAM_K (a config's "stream_k") on both linear TMA kernels: the tiles' K steps shared out
-    over 5 or 40 programs, so that tiles are cut into pieces whose partial sums go through the workspace and are
-    summed by the program holding each tile's last steps. The workspace starts as NaN (a partial read before it was
+def test_stream_k(path, grid, rounds, kind, monkeypatch):
+    """STREAM_K (a config's "stream_k") on both linear TMA kernels: the K steps of the last `rounds` rounds' tiles
+    shared out over the programs, so that tiles are cut into pieces whose partial sums go through the workspace and are
+    summed by the programs holding the tile's pieces. grid "few": the fewest programs (4 or more) whose last round is
+    at most half full (with 2 rounds a share is then longer than a tile: some hold a whole tile between two pieces);
+    "many": twice the tiles, one round half full; "full": one program more than the tiles, a round all but one program
+    busy, which is not shared (every tile whole). The workspace starts as NaN (a partial read before it was
     written shows), the flags must be zero again after the launch, the output is NaN-poisoned with a wider row stride
     (bias and residual on the forward paths), and a second launch gives the same bits (the fixed order of the sums)."""
     import kernels.gemm_gather_tma as ggt
@@ -477,11 +519,16 @@ def test_stream_k(path, programs, kind, monkeypatch):
     perm, seg = route(mask, align=ALIGN)
     rows = perm.shape[0] if path == "tma_expert_ordered" else M
     residual = rnd(gen, rows + 4, n_out + 8)[:rows, :n_out] if forward else None
+    row_tiles = int(seg[2]) // T["BM"] if path == "tma_expert_ordered" else sum(-(-int(c) // T["BM"]) for c in seg[3:])
+    tiles = row_tiles * -(-n_out // T["BN"])
+    programs = {"few": next((p for p in range(4, tiles) if 0 < 2 * (tiles % p) <= p), None), "many": 2 * tiles,
+                "full": tiles + 1}[grid]
+    assert programs is not None, tiles
 
     def run():
         out_all = torch.full((rows + 4, n_out + 8), float("nan"))
         out = out_all[:rows, :n_out]
-        kw = dict(input_precision="ieee", num_programs=programs, STREAM_K=True, **T)
+        kw = dict(input_precision="ieee", num_programs=programs, STREAM_K=rounds, **T)
         if path.startswith("gather_tma"):
             routes = path == "gather_tma_routes"
             p, sg = routed_here(mask, ALIGN)[:2] if routes else (perm.clone(), seg.clone())
@@ -512,7 +559,10 @@ def test_stream_k(path, programs, kind, monkeypatch):
         assert rel_err(out, ref) < TOL[torch.float32]
     assert torch.isnan(out_all[rows:]).all() and torch.isnan(out_all[:, n_out:]).all()
     published = (~torch.isnan(seen["ws"].flatten(1))).all(1).sum().item()
-    assert published > 0, "no tile was cut: the test does not reach the partial sums"
+    if grid == "full":
+        assert published == 0, "a last round of more than half the programs was shared"
+    else:
+        assert published > 0, "no tile was cut: the test does not reach the partial sums"
     again = run()[1]
     assert torch.equal(torch.nan_to_num(out, 0.0), torch.nan_to_num(again, 0.0))
 
@@ -983,8 +1033,8 @@ def _shipped_configs():
             for fam, buckets in fams.items():
                 for e in buckets:
                     if not e.get("off"):
-                        seen.setdefault((kernel, fam, tuple(e["block"]), e["group"], bool(e.get("split")),
-                                         bool(e.get("stream_k"))), None)
+                        seen.setdefault((kernel, fam, tuple(e["block"]), e["group"], e.get("split", 0),
+                                         e.get("stream_k", 0)), None)
     return list(seen)
 
 
@@ -1244,7 +1294,7 @@ def split_programs(tiles, split):
 @pytest.mark.parametrize("N", [48, 40])
 @pytest.mark.parametrize("variant", ["scatter", "transposed", "ordered", "gather", "gather_routed"])
 def test_linear_split_last_round(variant, N, split):
-    """routed_linear_tma_kernel and routed_linear_gather_tma_kernel compiled with SPLIT_TAIL (a config's "split")
+    """routed_linear_tma_kernel and routed_linear_gather_tma_kernel compiled with SPLIT_TAIL = 2 (a config's "split")
     compute a last round of r tiles as 2r column halves when 2r <= programs (kernels/gemm_tiles.py _split_tail),
     through a second descriptor of BN / 2 columns. The last round's tiles are
     the last column tile's (grouped order): N = 48 with BN = 16 has both of its halves inside N, N = 40 its second
@@ -1262,7 +1312,7 @@ def test_linear_split_last_round(variant, N, split):
     counts = int(seg[3]), int(seg[4])
     row_tiles = int(seg[2]) // T["BM"] if variant == "ordered" else sum(triton.cdiv(c, T["BM"]) for c in counts)
     programs = split_programs(row_tiles * triton.cdiv(N, T["BN"]), split)
-    kw = dict(input_precision="ieee", num_programs=programs, SPLIT_TAIL=True, **T)
+    kw = dict(input_precision="ieee", num_programs=programs, SPLIT_TAIL=2, **T)
     if variant == "scatter":
         out = torch.full((M, N), float("nan"), dtype=dtype)
         launch_routed_linear_tma(gathered(x, perm, M), w, b0, b1, out, perm, seg, **kw)

@@ -71,13 +71,19 @@ def _bad(mutate):
      "an \"off\" bucket has only max_m"),
     (lambda t: t["kernels"]["routed_swiglu_pair_tma_kernel"]["half"][1].update(block=[128, 8, 64]),
      "block[1] = 8 must be at least 16"),
-    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(block=[16, 8, 256], split=True),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(block=[16, 8, 256], split=2),
      "block[1] = 8 must be at least 16"),
-    (lambda t: t["kernels"]["routed_linear_gather_tma_kernel"]["half"][0].update(block=[16, 8, 256], split=True),
+    (lambda t: t["kernels"]["routed_linear_gather_tma_kernel"]["half"][0].update(block=[16, 8, 256], split=2),
      "block[1] = 8 must be at least 16"),
-    (lambda t: t["kernels"]["routed_swiglu_tma_kernel"]["half"][0].update(split=True), "'split' is a bool, and only"),
-    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(split=1), "'split' is a bool, and only"),
+    (lambda t: t["kernels"]["routed_swiglu_tma_kernel"]["half"][0].update(split=2), "'split' is 2, 4 or 8"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(split=True), "'split' is 2, 4 or 8"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(split=3), "'split' is 2, 4 or 8"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(block=[128, 32, 64], split=8),
+     "block[1] = 32 must be at least 64"),
     (lambda t: t["kernels"]["routed_linear_kernel"]["half"][0].update(flatten=True), "'flatten' is a bool, and only"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(stream_k=True), "'stream_k' is 1 or 2"),
+    (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(stream_k=3), "'stream_k' is 1 or 2"),
+    (lambda t: t["kernels"]["routed_swiglu_tma_kernel"]["half"][0].update(stream_k=1), "'stream_k' is 1 or 2"),
     (lambda t: t["kernels"]["routed_linear_tma_kernel"]["half"][0].update(flatten=1), "'flatten' is a bool, and only"),
 ])
 def test_validate_rejects_bad_tables(mutate, message):
@@ -244,9 +250,9 @@ def test_variant_meta_matches_its_config():
         if "cfg" not in v.key:
             continue
         cfg = v.key["cfg"]
-        flat, split, sk = bool(v.meta.get("FLATTEN")), bool(v.meta.get("SPLIT_TAIL")), bool(v.meta.get("STREAM_K"))
-        assert cfg.endswith(f"_w{v.num_warps}_s{v.num_stages}" + ("_f" if flat else "") + ("_t" if split else "")
-                            + ("_sk" if sk else ""))
+        flat, split, sk = bool(v.meta.get("FLATTEN")), int(v.meta.get("SPLIT_TAIL", 0)), int(v.meta.get("STREAM_K", 0))
+        assert cfg.endswith(f"_w{v.num_warps}_s{v.num_stages}" + ("_f" if flat else "")
+                            + {0: "", 2: "_t", 4: "_t4", 8: "_t8"}[split] + ("", "_sk", "_sk2")[sk])
         names = ("BLOCK_N", "BLOCK_K", "BLOCK_R") if "grad_weight" in v.name else (
             ("BLOCK_H", "BLOCK_HALF", "BLOCK_B") if v.name == "rope_kernel" else ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
         assert cfg.startswith("x".join(str(v.meta[n]) for n in names))

@@ -656,7 +656,7 @@ def test_routing_sizes(gpu_device, M):
 @pytest.mark.gpu
 def test_split_last_round(gpu_device):
     """The forward's gather GEMM (sm_90) computes a last partial round, after its whole rounds, shared out as its table
-    config says: in column halves (kernels/gemm_tiles.py _split_tail) or by K steps (_sk_share). At M = 1000, 2000 and
+    config says: in column slices (kernels/gemm_tiles.py _split_tail) or by K steps (_sk_share). At M = 1000, 2000 and
     3000 tokens where the table has such a config, expert counts and N chosen for this GPU's SM count and that config
     (device_helpers.split_counts), the tokens shuffled; at least one M must have one. bf16 with biases, forward and
     every gradient against float64, NaN-poisoned allocator."""

@@ -520,8 +520,8 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
 
 namespace {
 // The persistent grid of a linear TMA GEMM and what its stream-K configs read (kernels/gemm_tiles.py _sk_share): one
-// program per SM, an fp32 [2 programs, BM, BN] workspace (the pieces' partial sums, and each owner's own piece:
-// _sk_offsets) and the stream's zeroed flags.
+// program per SM, an fp32 [2 programs, BM, BN] workspace (the pieces' partial sums, at most two per program: _sk_slot)
+// and the stream's zeroed flags (two counts per cut tile: _sk_publish, _sk_leave).
 // Without stream-K: programs = min(SMs, the tile bound: persistent, any grid >= 1 covers every tile), and both
 // pointers are `unused` (not read).
 struct StreamK {
@@ -535,7 +535,7 @@ StreamK stream_k(const Gemm& g, const KernelConfig& c, int64_t max_tiles, const 
   if (!c.stream_k) return {std::max<int64_t>(1, std::min<int64_t>(g.sms, max_tiles)), {}, {}, unused, unused};
   const int64_t programs = g.sms;
   at::Tensor ws = at::empty({2 * programs, int64_t{c.block[0]} * c.block[1]}, like.options().dtype(at::kFloat));
-  at::Tensor flags = zeroed_flags_for_current_stream(programs, like);
+  at::Tensor flags = zeroed_flags_for_current_stream(2 * programs, like);
   return {programs, ws, flags, ws.data_ptr(), flags.data_ptr()};
 }
 }  // namespace

@@ -18,7 +18,7 @@ void launch_on_current_stream(const char* kernel, const std::string& key, const 
 void fill32_on_current_stream(const at::Tensor& t, uint32_t value);
 
 // An int32 buffer of at least n zeros that the kernels launched on the current stream of `like`'s device leave zero
-// again (the stream-K GEMMs' flags: kernels/gemm_tiles.py _sk_collect). One per (device, stream), zeroed once and kept
+// again (the stream-K GEMMs' flags: kernels/gemm_tiles.py _sk_leave). One per (device, stream), zeroed once and kept
 // for the process: work on one stream runs in order, so no two kernels use it at once. While that stream captures a
 // CUDA graph, a fresh zeroed one per call (memory of the graph's pool). The caller holds a device guard.
 at::Tensor zeroed_flags_for_current_stream(int64_t n, const at::Tensor& like);

@@ -68,7 +68,7 @@ struct KernelConfig {
   int block[3];        // the kernel's tile (its meaning per kernel: aot/config_table.py KERNELS)
   int group;           // GROUP_M / GROUP_N
   int warps, stages;
-  int stream_k;        // 1: the tiles' K steps shared out over a grid of one program per SM ("stream_k" in the table)
+  int stream_k;        // R > 0: the last R rounds' K steps shared out over one program per SM ("stream_k" in the table)
   const char* cfg;     // the "cfg=" value in the keys of the variants compiled from it
 };
 extern const KernelConfig kConfigs[];  // per (kernel, family, arch): classes, each's buckets in increasing max_m

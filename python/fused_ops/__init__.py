@@ -61,8 +61,9 @@ def kernel_config(kernel: str, family: str, m: int, cc: int = 90, n: _Optional[i
     ``n`` output columns and reduction length ``k`` (the grad-weight kernels: the weight's ``[n, k]``; None: unknown,
     the table's general class), ``w_transposed`` the linear GEMMs' orientation (True: the grad-input GEMM, W
     transposed; None: unknown) on a GPU of compute capability ``cc``, e.g. ``128x256x64_g8_w8_s3`` (BLOCK sizes,
-    GROUP, warps, stages; a suffix ``_f`` for a flattened tile loop, ``_t`` for a last round split in column halves,
-    ``_sk`` for a last round shared out by K steps, stream-K; ``off`` where an alternative kernel is not used). The
+    GROUP, warps, stages; a suffix ``_f`` for a flattened tile loop, ``_t`` (``_t4``, ``_t8``) for a last round split in
+    column halves (quarters, eighths), ``_sk`` (``_sk2``) for the last round (two rounds) shared out by K steps,
+    stream-K; ``off`` where an alternative kernel is not used). The
     tables are ``aot/configs/sm<arch>.json``, compiled into the build; re-tune with
     ``python -m aot.tune`` (docs/perf.md)."""
     return _torch.ops.fused.kernel_config(kernel, family, cc, m, -1 if n is None else n, -1 if k is None else k,
