@@ -67,9 +67,9 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
     gathered through perm by pointer loads inside the main loop: no [M_pad, K] gather copy. The alternative design
     (the gather inside the GEMM), measured against gather + routed_linear_tma_kernel by aot/tune.py.
     Persistent over the tiles that hold rows; SPLIT_TAIL: a last round split in SPLIT_TAIL column slices through
-    wh_desc, as in routed_linear_tma_kernel; STREAM_K: the last STREAM_K rounds' K steps shared out evenly, ws_ptr / flag_ptr
-    / SK_WAIT as there. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index. HAS_RESIDUAL:
-    out = A·Wᵀ (+ bias) + residual, res_ptr of out's layout and row stride (a block's residual add)."""
+    wh_desc, as in routed_linear_tma_kernel; STREAM_K: the last STREAM_K rounds' K steps shared out evenly, ws_ptr /
+    flag_ptr / SK_WAIT as there. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index.
+    HAS_RESIDUAL: out = A·Wᵀ (+ bias) + residual, res_ptr of out's layout and row stride (a block's residual add)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -172,8 +172,8 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
                                           HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,
                                           INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                           GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
-                                          SPLIT_TAIL=int(SPLIT_TAIL), STREAM_K=int(STREAM_K), SK_WAIT=not _interpreting(),
-                                          num_warps=num_warps,
+                                          SPLIT_TAIL=int(SPLIT_TAIL), STREAM_K=int(STREAM_K),
+                                          SK_WAIT=not _interpreting(), num_warps=num_warps,
                                           num_stages=num_stages)
     return out
 

@@ -138,17 +138,18 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
     """a_desc: [M_pad, K] block [BM, BK]; w_desc: stacked W [2, N, K] block [1, BN, BK]
     (W_TRANSPOSED: [2, K, N] block [1, BK, BN]); wh_desc: the same tensor with BN / SPLIT_TAIL columns per block
     (BN / 2 without it), for SPLIT_TAIL (a config's "split": 2, 4 or 8): a last round split in that many column
-    slices (_split_tail: at 2048 tokens, 17 x 16 tiles of 128 x 256 are 2 rounds and 8 tiles on 132 SMs). Not compiled in where the table does
-    not ask for it: the code after the tile loop cost the flattened large-m kernels 1-3%. Persistent over the
+    slices (_split_tail: at 2048 tokens, 17 x 16 tiles of 128 x 256 are 2 rounds and 8 tiles on 132 SMs). Not
+    compiled in where the table does not ask for it: the code after the tile loop cost the flattened large-m kernels
+    1-3%. Persistent over the
     row tiles of _row_tiles x cdiv(N, BN): with SCATTER_OUT only the tiles that hold rows, else every tile below
     end = seg[2] (an expert-ordered output is written up to end, padding rows included). one_rows > 0 (with
     SCATTER_OUT = False): one expert, rows in token order, no perm / seg (_walk_tiles). w_map: the experts' order
     along w_desc's first dimension (_w_index). HAS_RESIDUAL: out = A·Wᵀ (+ bias) + residual, res_ptr of out's
     layout and row stride (the ffn down projection's residual add). STREAM_K (a config's "stream_k"; not with
     SPLIT_TAIL): the K steps of the last STREAM_K rounds' tiles (1: the last partial round; 2: also the whole round
-    before it) shared out evenly (_sk_share), partial sums through
-    ws_ptr ([2 nprog, BM, BN] fp32: _sk_slot) and flag_ptr (int32 [2 nprog], zero before and after the launch);
-    without it neither is read. SK_WAIT: False only under the Triton interpreter (_sk_chunks)."""
+    before it) shared out evenly (_sk_share), partial sums through ws_ptr ([2 nprog, BM, BN] fp32: _sk_slot) and
+    flag_ptr (int32 [2 nprog], zero before and after the launch); without it neither is read. SK_WAIT: False only
+    under the Triton interpreter (_sk_chunks)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
