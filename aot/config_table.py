@@ -84,6 +84,9 @@ PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_li
 # the persistent kernels that split a last partial round in column slices (kernels/gemm_tiles.py _split_tail):
 # SPLIT_CONFIG where the table's "split" says so (constexpr SPLIT_TAIL), ALWAYS_SPLIT in every config
 SPLIT_CONFIG = {"routed_linear_tma_kernel", "routed_linear_gather_tma_kernel"}
+# the values "split" (column slices) and "stream_k" (rounds shared out) may take, and their suffixes in cfg_str
+SPLIT_SUFFIX = {2: "_t", 4: "_t4", 8: "_t8"}
+STREAM_K_SUFFIX = {1: "_sk", 2: "_sk2"}
 ALWAYS_SPLIT = {"routed_swiglu_pair_tma_kernel"}
 CLASS_FIELDS = ("max_n", "max_k", "w_transposed")  # a shape class's keys, in the order a class is named
 GENERAL = (None, None, None)  # the general class: no bound
@@ -109,7 +112,7 @@ def cfg_str(entry: Dict) -> str:
     if "group" in entry:
         s += f"_g{entry['group']}"
     return (s + f"_w{entry['warps']}_s{entry['stages']}" + ("_f" if entry.get("flatten") else "")
-            + {0: "", 2: "_t", 4: "_t4", 8: "_t8"}[entry.get("split", 0)] + {0: "", 1: "_sk", 2: "_sk2"}[entry.get("stream_k", 0)])
+            + SPLIT_SUFFIX.get(entry.get("split"), "") + STREAM_K_SUFFIX.get(entry.get("stream_k"), ""))
 
 
 def _pow2(v) -> bool:
@@ -229,9 +232,9 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
         fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
     if row_idx is not None and ROUTING_ALIGN % blk[row_idx] != 0:
         fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
-    for key, kind, ok in (("split", "2, 4 or 8 (column slices)", lambda v: type(v) is int and v in (2, 4, 8)),
-                          ("stream_k", "1 or 2 (rounds shared out)", lambda v: type(v) is int and v in (1, 2))):
-        if key in e and (name not in SPLIT_CONFIG or not ok(e[key])):
+    for key, kind, values in (("split", "2, 4 or 8 (column slices)", SPLIT_SUFFIX),
+                              ("stream_k", "1 or 2 (rounds shared out)", STREAM_K_SUFFIX)):
+        if key in e and (name not in SPLIT_CONFIG or type(e[key]) is not int or e[key] not in values):
             fail(f"{at}: '{key}' is {kind}, and only for {', '.join(sorted(SPLIT_CONFIG))}; got {e[key]!r}")
     if e.get("stream_k") and e.get("split"):
         fail(f"{at}: 'stream_k' and 'split' are two ways of sharing out the last round: one or the other")

@@ -88,8 +88,8 @@ _TMA_LINEAR = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128,
                ((128, 32, 128), 8, 4, 4), ((128, 256, 64), 8, 8, 3, True), ((128, 256, 64), 8, 8, 4, True),
                ((128, 128, 128), 8, 8, 3, True),
                # with the last round split in 2, 4 or 8 column slices (mid-size m)
-               ((128, 256, 64), 8, 8, 3, False, True), ((128, 256, 64), 8, 8, 4, True, True),
-               ((128, 128, 64), 8, 8, 4, False, True), ((128, 128, 64), 8, 4, 4, False, True),
+               ((128, 256, 64), 8, 8, 3, False, 2), ((128, 256, 64), 8, 8, 4, True, 2),
+               ((128, 128, 64), 8, 8, 4, False, 2), ((128, 128, 64), 8, 4, 4, False, 2),
                ((128, 256, 64), 8, 8, 3, False, 4), ((128, 256, 64), 8, 8, 4, True, 4),
                ((128, 256, 64), 8, 8, 3, False, 8), ((128, 256, 64), 8, 8, 4, True, 8),
                ((128, 128, 64), 8, 8, 4, False, 4), ((128, 128, 64), 8, 4, 4, False, 4),
@@ -97,12 +97,12 @@ _TMA_LINEAR = [((128, 256, 64), 8, 8, 3), ((128, 256, 64), 8, 8, 4), ((128, 128,
                ((64, 128, 128), 8, 4, 4), ((128, 64, 128), 8, 4, 4),
                # stream-K: the K steps of the last partial round (1), or of it and the whole round before it (2),
                # shared out evenly (mid-size m)
-               ((128, 256, 64), 8, 8, 3, False, False, 1), ((128, 256, 64), 8, 8, 4, False, False, 1),
-               ((128, 256, 64), 8, 8, 4, True, False, 1), ((128, 128, 64), 8, 8, 4, False, False, 1),
-               ((128, 128, 64), 8, 4, 4, False, False, 1), ((64, 128, 128), 8, 4, 4, False, False, 1),
-               ((128, 256, 64), 8, 8, 3, False, False, 2), ((128, 256, 64), 8, 8, 4, False, False, 2),
-               ((128, 256, 64), 8, 8, 4, True, False, 2), ((128, 128, 64), 8, 8, 4, False, False, 2),
-               ((64, 128, 128), 8, 4, 4, False, False, 2)]
+               ((128, 256, 64), 8, 8, 3, False, 0, 1), ((128, 256, 64), 8, 8, 4, False, 0, 1),
+               ((128, 256, 64), 8, 8, 4, True, 0, 1), ((128, 128, 64), 8, 8, 4, False, 0, 1),
+               ((128, 128, 64), 8, 4, 4, False, 0, 1), ((64, 128, 128), 8, 4, 4, False, 0, 1),
+               ((128, 256, 64), 8, 8, 3, False, 0, 2), ((128, 256, 64), 8, 8, 4, False, 0, 2),
+               ((128, 256, 64), 8, 8, 4, True, 0, 2), ((128, 128, 64), 8, 8, 4, False, 0, 2),
+               ((64, 128, 128), 8, 4, 4, False, 0, 2)]
 _TMA_LINEAR += _TMA_DECODE
 _TMA_SWIGLU = [((128, 128, 64), 8, 8, 3), ((128, 128, 64), 8, 8, 4), ((128, 64, 64), 8, 4, 4),
                ((128, 64, 64), 8, 8, 4), ((64, 64, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
@@ -118,7 +118,7 @@ _PTR_GRAD_W = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 8, 4), ((64, 128, 
 _ROPE = [((bh, 64, 128), None, w, 1) for bh in (8, 16, 32) for w in (1, 2, 4, 8)]
 
 
-def _entry(block, group, warps, stages, flatten=False, split=False, stream_k=0):
+def _entry(block, group, warps, stages, flatten=False, split=0, stream_k=0):
     e = {"block": list(block)}
     if group is not None:
         e["group"] = group
@@ -126,9 +126,9 @@ def _entry(block, group, warps, stages, flatten=False, split=False, stream_k=0):
     if flatten:
         e["flatten"] = True
     if split:
-        e["split"] = 2 if split is True else int(split)
+        e["split"] = split
     if stream_k:
-        e["stream_k"] = int(stream_k)
+        e["stream_k"] = stream_k
     return e
 
 

@@ -10,9 +10,9 @@ Conventions (experts, perm / seg, SCATTER_OUT): kernels/gemm_tiles.py.
 import triton
 import triton.language as tl
 
-from kernels.gemm_tiles import (SK_MAX_PARTS, _gate_up_arg, _interpreting, _mask_arg,
-                                _routed_row_tiles, _save_gate_up, _silu_mul, _sk_piece, _sk_share, _split_tail,
-                                _store_tile, _stream_k_args, _tail_part_at, _tile_at, _tile_rows)
+from kernels.gemm_tiles import (SK_MAX_PARTS, _gate_up_arg, _interpreting, _mask_arg, _routed_row_tiles,
+                                _save_gate_up, _silu_mul, _sk_piece, _sk_share, _split_tail, _store_tile,
+                                _stream_k_args, _tail_cols, _tail_part_at, _tile_at, _tile_rows)
 from kernels.gemm_tma import _linear_epilogue, _linear_step, _sk_finish, _sk_fixup, _swiglu_step, _w_index
 from kernels.pdl import grid_dependency_sync
 
@@ -159,7 +159,7 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
     K = a.shape[1]
     N = w_stacked.shape[1]
     w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN, BK])
-    wh_desc = TensorDescriptor.from_tensor(w_stacked, [1, BN // (int(SPLIT_TAIL) or 2), BK])
+    wh_desc = TensorDescriptor.from_tensor(w_stacked, [1, _tail_cols(BN, SPLIT_TAIL), BK])
     has_bias = bias0 is not None
     if not has_bias:
         bias0 = bias1 = out

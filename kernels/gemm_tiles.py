@@ -398,3 +398,8 @@ def _add_residual(acc, res_ptr, perm_ptr, row0, row_hi, offs_n, N, stride_m, SCA
         off, ok = _ordered_offsets(row0, row_hi, offs_n, N, stride_m, BLOCK_M)
         r = tl.load(res_ptr + off, mask=ok, other=0.0)
     return acc + r.to(tl.float32)
+
+
+def _tail_cols(BN, split):
+    """Columns of the second W descriptor's box: a slice of the split last round, BN / 2 (unread) without a split."""
+    return BN // (int(split) or 2)

@@ -18,7 +18,7 @@ import triton.language as tl
 from kernels.gemm_tiles import (SK_CHUNKS, SK_MAX_PARTS, _add_bias, _add_residual, _gate_up_arg,
                                 _interpreting, _ordered_offsets, _row_tiles, _save_gate_up, _silu_mul, _sk_chunks,
                                 _sk_cut, _sk_gather, _sk_leave, _sk_piece, _sk_publish, _sk_share, _split_tail,
-                                _store_tile, _stream_k_args, _tail_part_at, _tile_at,
+                                _store_tile, _stream_k_args, _tail_cols, _tail_part_at, _tile_at,
                                 _walk_tiles)
 from kernels.pdl import grid_dependency_sync
 from kernels.swiglu_backward import swiglu_grads
@@ -344,7 +344,7 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
     N = w_stacked.shape[2] if w_transposed else w_stacked.shape[1]
     a_desc = TensorDescriptor.from_tensor(a_pad, [BM, BK])
     w_desc = TensorDescriptor.from_tensor(w_stacked, [1, BK, BN] if w_transposed else [1, BN, BK])
-    bs = BN // (int(SPLIT_TAIL) or 2)  # the split last round's slice (a placeholder of BN / 2 without one)
+    bs = _tail_cols(BN, SPLIT_TAIL)
     wh_desc = TensorDescriptor.from_tensor(w_stacked, [1, BK, bs] if w_transposed else [1, bs, BK])
     has_bias = bias0 is not None
     if not has_bias:

@@ -24,12 +24,14 @@ def split_counts(kernel, M, K, cc, sms, wt=None):
     0 < S (T mod SMs) <= SMs; stream-K: T mod SMs > 0). None where no N gives that (not sm_90, an "off" bucket, or no
     such config at M)."""
     import fused_ops
+    from aot import config_table as ct
     if cc // 10 != 9:
         return None
     for N in range(64, 16384 + 1, 32):
         cfg = fused_ops.kernel_config(kernel, "half", M, cc, N, K, wt)
-        stream_k = cfg.endswith(("_sk", "_sk2"))
-        split = {"_t": 2, "_t4": 4, "_t8": 8}.get(cfg[cfg.rfind("_"):], 0)
+        suffix = cfg[cfg.rfind("_"):]
+        stream_k = suffix in ct.STREAM_K_SUFFIX.values()
+        split = {s: parts for parts, s in ct.SPLIT_SUFFIX.items()}.get(suffix, 0)
         if not (stream_k or split):
             continue
         bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])

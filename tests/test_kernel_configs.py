@@ -252,7 +252,7 @@ def test_variant_meta_matches_its_config():
         cfg = v.key["cfg"]
         flat, split, sk = bool(v.meta.get("FLATTEN")), int(v.meta.get("SPLIT_TAIL", 0)), int(v.meta.get("STREAM_K", 0))
         assert cfg.endswith(f"_w{v.num_warps}_s{v.num_stages}" + ("_f" if flat else "")
-                            + {0: "", 2: "_t", 4: "_t4", 8: "_t8"}[split] + ("", "_sk", "_sk2")[sk])
+                            + ct.SPLIT_SUFFIX.get(split, "") + ct.STREAM_K_SUFFIX.get(sk, ""))
         names = ("BLOCK_N", "BLOCK_K", "BLOCK_R") if "grad_weight" in v.name else (
             ("BLOCK_H", "BLOCK_HALF", "BLOCK_B") if v.name == "rope_kernel" else ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
         assert cfg.startswith("x".join(str(v.meta[n]) for n in names))
