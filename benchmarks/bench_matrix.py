@@ -329,19 +329,35 @@ def rope_cell(op, hq, hk, d, M, dev, gen):
 
 
 # ------------------------------------------------------------------------------------------------------ measurement
-def measure(cell, copy_gbps, rep):
+def launch_floor_ms(dev, rep=200):
+    """The device time of a kernel that does nothing useful (a one-element add), timed as every cell is: between its
+    own CUDA events. A memory-bound cell can take no less than this plus its bytes at copy bandwidth."""
+    import torch
+    t = torch.zeros(1, device=dev)
+    return bench(lambda x: x.add_(1.0), [(t,)], warmup=20, rep=rep)
+
+
+def ceiling(nbytes, copy_gbps, floor_ms):
+    """The copy-bandwidth fraction a kernel reaches that streams nbytes at copy bandwidth after the launch floor."""
+    ideal_ms = nbytes / (copy_gbps * 1e9) * 1e3
+    return ideal_ms / (ideal_ms + floor_ms)
+
+
+def measure(cell, copy_gbps, rep, floor_ms=0.0):
     """{"ms", "value", "kind"}: value = op / anchor (paired medians of the ratio) for compute-bound cells, the
-    fraction of copy bandwidth for memory-bound ones."""
+    fraction of copy bandwidth for memory-bound ones (with "ceiling": the fraction the launch floor leaves)."""
     if cell.anchor is None:
         ms = bench(cell.fn, cell.arg_sets, warmup=5, rep=rep)
         gbps = cell.weight_bytes / (ms * 1e-3) / 1e9
-        return {"ms": ms, "value": gbps / copy_gbps, "kind": "copy_bw_fraction", "gbps": gbps}
+        return {"ms": ms, "value": gbps / copy_gbps, "kind": "copy_bw_fraction", "gbps": gbps,
+                "ceiling": ceiling(cell.weight_bytes, copy_gbps, floor_ms)}
     if cell.decode:  # memory-bound: the op's fraction of copy bandwidth, and cuBLAS's on one expert beside it
         pairs = bench_pair(cell.fn, cell.anchor, cell.arg_sets, warmup=5, rep=rep)
         ms = statistics.median(a for a, _ in pairs)
         anchor_ms = statistics.median(b for _, b in pairs)
         gbps = cell.weight_bytes / (ms * 1e-3) / 1e9
         return {"ms": ms, "value": gbps / copy_gbps, "kind": "copy_bw_fraction", "gbps": gbps,
+                "ceiling": ceiling(cell.weight_bytes, copy_gbps, floor_ms),
                 "anchor_ms": anchor_ms, "cublas_fraction": cell.one_expert_bytes / (anchor_ms * 1e-3) / 1e9 / copy_gbps,
                 "vs_cublas": statistics.median(a / b for a, b in pairs)}
     pairs = bench_pair(cell.fn, cell.anchor, cell.arg_sets, warmup=5, rep=rep)
@@ -419,6 +435,9 @@ def summarize(cells):
                 w = worst(vals, key=lambda c: c["value"])
                 s[kind] = {"cells": len(vals), "geomean": geomean([c["value"] for c in vals]),
                            "worst": w["value"], "worst_cell": f"{w['shape']} M={w['M']} {w['mask']}"}
+                if kind == "copy_bw_fraction" and all("ceiling" in c for c in vals):
+                    s[kind]["geomean_ceiling"] = geomean([c["ceiling"] for c in vals])
+                    s[kind]["geomean_of_ceiling"] = geomean([c["value"] / c["ceiling"] for c in vals])
         m1 = [c for c in mine if c["M"] == 1 and "vs_cublas" in c]
         if m1:  # one token reads one expert: the op against cuBLAS on that expert's weights
             w = max(m1, key=lambda c: c["vs_cublas"])
@@ -446,6 +465,16 @@ def markdown(meta, cells, summary, host):
                 k = s[kind]
                 lines.append(f"| {op} | {kind} | {k['cells']} | {k['geomean']:.3f} | {k['worst']:.3f} | "
                              f"{k['worst_cell']} | {s.get('errors', 0)} |")
+    bw = [(op, s["copy_bw_fraction"]) for op, s in summary.items()
+          if "geomean_of_ceiling" in s.get("copy_bw_fraction", {})]
+    if bw:
+        lines += ["", f"The launch floor (a one-element kernel between its own events, as every cell is timed): "
+                  f"{meta['floor_us']:.1f} us. A kernel that streamed its bytes at copy bandwidth after it would reach "
+                  "the ceiling below; the cells' fraction of copy bandwidth against that ceiling:", "",
+                  "| op | cells | fraction of copy bandwidth | ceiling | fraction of the ceiling |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {op} | {k['cells']} | {k['geomean']:.3f} | {k['geomean_ceiling']:.3f} | "
+                  f"{k['geomean_of_ceiling']:.3f} |" for op, k in bw]
     if host:
         lines += ["", "## Host time per call (M = 1, GPU busy; microseconds)", "", "| call | us |", "| --- | --- |"]
         lines += [f"| {k} | {v:.1f} |" for k, v in host.items()]
@@ -539,8 +568,11 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     copy_gbps = copy_bandwidth(1 << 30)
-    meta = {"device": device_name(), "torch": torch.__version__, "copy_gbps": copy_gbps, "full": a.full}
-    print(f"bench_matrix: {meta['device']}, copy {copy_gbps:.0f} GB/s", flush=True)
+    floor_ms = launch_floor_ms(dev)
+    meta = {"device": device_name(), "torch": torch.__version__, "copy_gbps": copy_gbps, "floor_us": floor_ms * 1e3,
+            "full": a.full}
+    print(f"bench_matrix: {meta['device']}, copy {copy_gbps:.0f} GB/s, launch floor {floor_ms * 1e3:.1f} us",
+          flush=True)
     cells, host = [], {}
     gen = torch.Generator().manual_seed(0)
     try:
@@ -562,7 +594,7 @@ def main(argv=None):
                 if not err <= ERR_TOL:
                     row["error"] = f"relative error {err:.3g} > {ERR_TOL}"
                 else:
-                    row.update(measure(cell, copy_gbps, a.rep))
+                    row.update(measure(cell, copy_gbps, a.rep, floor_ms))
             except torch.OutOfMemoryError as e:
                 row["error"] = f"out of memory: {str(e)[:120]}"
             except Interrupted:
