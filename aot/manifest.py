@@ -265,6 +265,7 @@ def _gemm_variants() -> List[Variant]:
     # of gathering the wrong rows.
     from kernels import routing
     from kernels.gather_rows import GATHER_COLS, GATHER_ROWS
+    from kernels.gemm_tiles import _tail_cols  # the second W descriptor's box, as the Python launchers make it
     out = []
     for dt in DTYPES:  # gather_rows: a copy (colsum=1: with per-block column sums), no precision, not configurable
         args = runtime_args("kernels.gather_rows:gather_rows_kernel", dt)
@@ -360,7 +361,7 @@ def _gemm_variants() -> List[Variant]:
             for key, flags in flag_variants("routed_linear_tma_kernel"):
                 wt = key["wt"]
                 wblock = f"1, {bk}, {bn}" if wt else f"1, {bn}, {bk}"
-                bs = bn // cfg.get("split", 2)
+                bs = _tail_cols(bn, cfg.get("split", 0))
                 hblock = f"1, {bk}, {bs}" if wt else f"1, {bs}, {bk}"
                 args = runtime_args("kernels.gemm_tma:routed_linear_tma_kernel", dt,
                                     {"a_desc": f"{bm}, {bk}", "w_desc": wblock, "wh_desc": hblock})
@@ -374,7 +375,7 @@ def _gemm_variants() -> List[Variant]:
         for cfg, archs in configs("routed_linear_gather_tma_kernel", fam):
             bm, bn, bk = cfg["block"]
             args = runtime_args("kernels.gemm_gather_tma:routed_linear_gather_tma_kernel", dt,
-                                {"w_desc": f"1, {bn}, {bk}", "wh_desc": f"1, {bn // cfg.get('split', 2)}, {bk}"})
+                                {"w_desc": f"1, {bn}, {bk}", "wh_desc": f"1, {_tail_cols(bn, cfg.get('split', 0))}, {bk}"})
             align = config_table.ROUTING_ALIGN
             for route in route_blocks("routed_linear_gather_tma_kernel", fam, cfg):
                 for bias, res in EPILOGUES:

@@ -15,23 +15,31 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def tail_of(cfg):
+    """(split, stream_k) of a config string such as fused_ops.kernel_config returns: the column slices of its last
+    round and the rounds it shares out by K steps, 0 for none (its suffix: aot/config_table.py SPLIT_SUFFIX,
+    STREAM_K_SUFFIX)."""
+    from aot import config_table as ct
+    suffix = cfg[cfg.rfind("_"):]
+    split = {s: parts for parts, s in ct.SPLIT_SUFFIX.items()}.get(suffix, 0)
+    stream_k = {s: rounds for rounds, s in ct.STREAM_K_SUFFIX.items()}.get(suffix, 0)
+    return split, stream_k
+
+
 def split_counts(kernel, M, K, cc, sms, wt=None):
     """(c0, c1, N) for the persistent routed GEMM `kernel` at M rows and reduction K (wt: its orientation, for
     routed_linear_tma_kernel), such that the table's config for that GEMM (its shape class included) shares out a last
     partial round: "split" (in S column slices, kernels/gemm_tiles.py _split_tail) or "stream_k" (by K steps,
     _sk_share). Both experts' last row tiles partial (c0 + c1 = M rows), N's last column tile partial (N a multiple
     of 32), the tile count T above the SM count and its last round one the config shares out (split:
-    0 < S (T mod SMs) <= SMs; stream-K: T mod SMs > 0). None where no N gives that (not sm_90, an "off" bucket, or no
-    such config at M)."""
+    0 < S (T mod SMs) <= SMs; stream-K: 0 < 2 (T mod SMs) <= SMs, _sk_share's rule). None where no N gives that (not
+    sm_90, an "off" bucket, or no such config at M)."""
     import fused_ops
-    from aot import config_table as ct
     if cc // 10 != 9:
         return None
     for N in range(64, 16384 + 1, 32):
         cfg = fused_ops.kernel_config(kernel, "half", M, cc, N, K, wt)
-        suffix = cfg[cfg.rfind("_"):]
-        stream_k = suffix in ct.STREAM_K_SUFFIX.values()
-        split = {s: parts for parts, s in ct.SPLIT_SUFFIX.items()}.get(suffix, 0)
+        split, stream_k = tail_of(cfg)
         if not (stream_k or split):
             continue
         bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])
@@ -41,6 +49,6 @@ def split_counts(kernel, M, K, cc, sms, wt=None):
             continue
         tiles = (-(-c0 // bm) + -(-c1 // bm)) * -(-N // bn)
         r = tiles % sms
-        if tiles > sms and (r > 0 if stream_k else 0 < split * r <= sms):
+        if tiles > sms and 0 < (split or 2) * r <= sms:
             return c0, c1, N
     return None

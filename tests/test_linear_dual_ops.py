@@ -14,7 +14,7 @@ import torch
 
 import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
 from fused_ops.linear_dual import DualLinear, linear_dual
-from device_helpers import poison_allocator, split_counts, sync
+from device_helpers import poison_allocator, split_counts, sync, tail_of
 from reference_routed import MASK_KINDS, linear_dual_reference, make_mask, reference_grads, rel_err, strided_view
 
 OPS = torch.ops.fused
@@ -685,14 +685,14 @@ def test_split_last_round(gpu_device):
 
 def _stream_k_shape(cc):
     """(M, N, K, forward, backward) of a linear_dual call whose forward (the gather GEMM) or grad-input GEMM (dX, n = K,
-    reduction N) the sm_90 table serves with a stream-K config (ending in _sk), from the matrix models' projections;
-    None if it has none."""
+    reduction N) the sm_90 table serves with a stream-K config (device_helpers.tail_of: _sk or _sk2), from the matrix
+    models' projections; None if it has none."""
     projections = [(12288, 4096), (6144, 4096), (4096, 4096), (1280, 8192), (8192, 1024), (4096, 14336),
                    (14336, 4096), (3584, 18944), (18944, 3584), (4608, 3584)]
     for M in (1024, 2048, 512, 4096, 256, 384, 8192):
         for N, K in projections:
-            fwd = fused_ops.kernel_config("routed_linear_gather_tma_kernel", "half", M, cc, N, K).endswith("_sk")
-            bwd = fused_ops.kernel_config("routed_linear_tma_kernel", "half", M, cc, K, N, True).endswith("_sk")
+            fwd = tail_of(fused_ops.kernel_config("routed_linear_gather_tma_kernel", "half", M, cc, N, K))[1] > 0
+            bwd = tail_of(fused_ops.kernel_config("routed_linear_tma_kernel", "half", M, cc, K, N, True))[1] > 0
             if fwd or bwd:
                 return M, N, K, fwd, bwd
     return None
@@ -700,8 +700,8 @@ def _stream_k_shape(cc):
 
 @pytest.mark.gpu
 def test_stream_k_last_round(gpu_device):
-    """A shape whose forward or grad-input GEMM the table runs stream-K (the last round's K steps shared out, partial
-    sums summed in a fixed order by each tile's owner; kernels/gemm_tiles.py _sk_share): bf16 forward and every
+    """A shape whose forward or grad-input GEMM the table runs stream-K (the last rounds' K steps shared out, a cut
+    tile's partial sums added in a fixed order by the programs holding its pieces; kernels/gemm_tiles.py _sk_share): bf16 forward and every
     gradient against float64; the same bits again, on a side stream (its own flags buffer) and from a CUDA graph
     replay with a new mask; NaN-poisoned allocator."""
     major, minor = torch.cuda.get_device_capability(gpu_device)
