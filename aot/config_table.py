@@ -21,7 +21,8 @@ One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
   bounds hold, then its bucket for m: the same first-match rule over the whole list. Classes exist where the best
   config differs with the shape (narrow N leaves a wave of wide tiles mostly empty; short K gives the epilogue more
   weight), measured by `python -m aot.tune --models matrix --classes ...`. A lookup that does not know the shape
-  (n or k None here, negative in C++) takes the general class.
+  (n or k None here, negative in C++) takes the general class. rope_kernel's n is the heads per token row (of q and
+  k together); it has no other class.
 * `block`, `group` (GROUP_M / GROUP_N), `warps`, `stages`: the meta-parameters compiled in; `"flatten": true` (the
   persistent TMA GEMMs only, PERSISTENT below) flattens the loop over tiles into the K loop, so the compiler's
   pipeline runs across tiles and the next tile's loads overlap this one's epilogue. `"split": S` (2, 4 or 8; the linear
@@ -54,7 +55,7 @@ ROUTING_ALIGN = 128  # kernels/routing.py ALIGN: expert segments start at multip
 # kernel -> (families it has, meaning of block, whether it is TMA (sm_90 only), index of block that must divide
 # ROUTING_ALIGN (the row tile), or None)
 KERNELS = {
-    "rope_kernel": (("all", ), "BLOCK_H x BLOCK_HALF x BLOCK_B", False, None),
+    "rope_kernel": (("all", ), "BLOCK_T x BLOCK_H x BLOCK_HALF", False, None),
     "routed_linear_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", False, 0),
     "routed_swiglu_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", False, 0),
     "routed_grad_weight_kernel": (("half", "tf32", "ieee"), "BLOCK_N x BLOCK_K x BLOCK_R", False, 2),
@@ -157,8 +158,8 @@ def validate(table: Dict, where: str = "config table") -> Dict:
                     if f in e and f != "w_transposed" and not (isinstance(e[f], int) and not isinstance(e[f], bool)
                                                                and e[f] > 0):
                         fail(f"{at}: '{f}' must be a positive integer, got {e[f]!r}")
-                    if f in e and name == "rope_kernel":
-                        fail(f"{at}: rope_kernel has no shape classes ('{f}')")
+                    if f in e and name == "rope_kernel" and f != "max_n":
+                        fail(f"{at}: rope_kernel's only shape class is max_n (heads per token row), not '{f}'")
                 if "w_transposed" in e and (name not in ORIENTED or not isinstance(e["w_transposed"], bool)):
                     fail(f"{at}: 'w_transposed' is a bool, and only for {', '.join(sorted(ORIENTED))} (the GEMMs that "
                          "serve the forward and, with W transposed, the grad-input)")

@@ -126,15 +126,15 @@ def _rope_variants() -> List[Variant]:
     for dt in DTYPES:
         strides = [f"s{t}_{d}" for t in ("x", "o", "x2", "o2") for d in ("s", "b", "h", "d")] + ["freqs_stride"]
         args = runtime_args("kernels.rope:rope_kernel", dt, types=dict.fromkeys(strides, "i64"))
-        for cfg, archs in configs("rope_kernel", "all"):  # one bucket: the grid (a program per row) ignores it
-            bh, bhalf, bb = cfg["block"]
+        for cfg, archs in configs("rope_kernel", "all"):
+            bt, bh, bhalf = cfg["block"]
             for thd in (0, 1):
                 for interleaved in (0, 1):
                     for second in (0, 1):
                         key = {"dtype": dt, "thd": thd, "interleaved": interleaved, "second": second,
                                "cfg": config_table.cfg_str(cfg)}
                         meta = {"IS_THD": bool(thd), "INTERLEAVED": bool(interleaved), "HAS_SECOND": bool(second),
-                                "BLOCK_H": bh, "BLOCK_HALF": bhalf, "BLOCK_B": bb}
+                                "BLOCK_T": bt, "BLOCK_H": bh, "BLOCK_HALF": bhalf}
                         # Fast path: unit channel stride, 16-byte aligned rows and pair offsets -> vector loads.
                         aligned = {"x_ptr": 16, "out_ptr": 16, "x2_ptr": 16, "out2_ptr": 16, "freqs_ptr": 16,
                                    "HALF": 16, "freqs_stride": 16}

@@ -115,7 +115,9 @@ _PTR_GEMM = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 4, 4), ((128, 64, 64
              ((64, 128, 64), 8, 4, 4), ((64, 64, 64), 8, 4, 4), ((64, 64, 32), 8, 4, 6)]
 _PTR_GRAD_W = [((128, 128, 64), 8, 8, 3), ((128, 128, 32), 8, 8, 4), ((64, 128, 64), 8, 4, 4),
                ((128, 64, 64), 8, 4, 4)]
-_ROPE = [((bh, 64, 128), None, w, 1) for bh in (8, 16, 32) for w in (1, 2, 4, 8)]
+# rope: (tokens, heads) per program, 64 rotary pairs (d = 128)
+_ROPE = [((bt, bh, 64), None, w, 1) for bt, bh in ((1, 8), (1, 16), (1, 32), (2, 4), (2, 8), (2, 16), (4, 4), (4, 8),
+                                                   (4, 16), (8, 4), (8, 8), (16, 4)) for w in (2, 4, 8)]
 
 
 def _entry(block, group, warps, stages, flatten=False, split=0, stream_k=0):
@@ -326,23 +328,34 @@ class Problem:
         return common.bench(lambda dy, x: dy.T @ x, args=[(a[0], a[1])], warmup=5, rep=rep)
 
 
+def _rope_cases():
+    """case name -> (s, b, q heads, k heads (0: q alone), bshd, d): q alone in sbhd (Llama), and q and k in one bshd
+    launch for each head layout of the matrix's models (benchmarks/bench_matrix.py) at 2048 and 16384 tokens."""
+    cases = {"sbhd s4096 b2 h32 d128": (4096, 2, 32, 0, False, 128)}
+    from benchmarks.bench_matrix import rope_shapes
+    for _, hq, hk, d in rope_shapes():
+        for s in (2048, 16384):
+            cases[f"bshd qk s{s} b1 q{hq} k{hk} d{d}"] = (s, 1, hq, hk, True, d)
+    return cases
+
+
 class RopeProblem:
-    """rope_kernel on one of two shapes (Llama q in sbhd; q and GQA k in one launch, bshd)."""
-    CASES = {"sbhd s4096 b2 h32 d128": (4096, 2, 32, 0, False), "bshd qk s4096 b2 q32 k8 d128": (4096, 2, 32, 8, True)}
+    """rope_kernel on one of _rope_cases()."""
 
     def __init__(self, case):
         from kernels import rope
         self.rope, self.case = rope, case
-        s, b, h, h2, bshd = self.CASES[case]
-        self.s, self.b, self.h, self.h2, self.bshd, self.d = s, b, h, h2, bshd, 128
-        self.freqs = torch.rand(s, 1, 1, self.d, device=DEV) * 100
+        s, b, h, h2, bshd, d = _rope_cases()[case]
+        self.s, self.b, self.h, self.h2, self.bshd, self.d = s, b, h, h2, bshd, d
+        half = torch.rand(s, 1, 1, self.d // 2, device=DEV) * 100
+        self.freqs = torch.cat([half, half], -1)  # as models build them (TE, HF): each pair's two angles are one
         shape = (b, s, h, self.d) if bshd else (s, b, h, self.d)
         shape2 = (b, s, max(h2, 1), self.d) if bshd else (s, b, max(h2, 1), self.d)
         nbytes = 2 * 2 * (math.prod(shape) + (math.prod(shape2) if h2 else 0))
         g = lambda sh: torch.randn(sh, device=DEV, dtype=DTYPE)  # noqa: E731
         self.sets = [(g(shape), g(shape2)) for _ in range(common.rotation_count(nbytes))]
         self.nbytes = nbytes
-        self.m, self.n, self.k = s * b, h, self.d
+        self.m, self.n, self.k = s * b, h + h2, self.d  # n: heads per token row (rope's shape class)
 
     def _st(self, t):
         return (t.stride(1), t.stride(0), t.stride(2), t.stride(3)) if self.bshd else tuple(t.stride())
@@ -350,14 +363,15 @@ class RopeProblem:
     def run(self, cfg, args):
         x, k = args
         out, out2 = torch.empty_like(x), torch.empty_like(k)
-        bh, bhalf, bb = cfg["block"]
+        bt, bh, bhalf = cfg["block"]
         no_i32 = torch.zeros(1, device=DEV, dtype=torch.int32)
         sec = k if self.h2 else x
-        self.rope.rope_kernel[(self.s * self.b, )](
-            x, out, sec, out2 if self.h2 else out, self.freqs, no_i32, no_i32, self.s, self.b, self.h, self.h2,
+        rows = self.s * self.b
+        self.rope.rope_kernel[(-(-rows // bt), )](
+            x, out, sec, out2 if self.h2 else out, self.freqs, no_i32, no_i32, rows, self.s, self.b, self.h, self.h2,
             self.d, self.d // 2, self.s, self.freqs.stride(0), *self._st(x), *self._st(out), *self._st(sec),
             *self._st(out2 if self.h2 else out), 1, 0, 1 if self.bshd else 0, IS_THD=False, INTERLEAVED=False,
-            HAS_SECOND=bool(self.h2), BLOCK_H=bh, BLOCK_HALF=bhalf, BLOCK_B=bb, num_warps=cfg["warps"],
+            HAS_SECOND=bool(self.h2), BLOCK_T=bt, BLOCK_H=bh, BLOCK_HALF=bhalf, num_warps=cfg["warps"],
             num_stages=cfg["stages"])
         return out, out2
 
@@ -420,7 +434,7 @@ def shapes(op, ms, models, grad_input=False):
     grad_input, "dual_t" (the linear kernel's grad-input orientation on the matrix models' projections, the gate/up
     ones included)."""
     if op == "rope":
-        return list(RopeProblem.CASES)
+        return list(_rope_cases())
     out = []
     for m in ms:
         for name in models:
@@ -661,6 +675,14 @@ def _owner(classes, n, k, wt=None):
     return None
 
 
+def _classes_of(kernel, table, fam, classes):
+    """The shape classes to try for a kernel: rope's own (its heads per token row, max_n, as the table has them; one
+    bucket each, the grid does not depend on m), --classes for the GEMMs."""
+    if kernel != "rope_kernel":
+        return classes
+    return [c for c in dict.fromkeys(ct.shape_class(e) for e in ct.buckets(table, kernel, fam)) if c != ct.GENERAL]
+
+
 def class_winners(done, kernel, ms_list, table, fam, classes):
     """The classes worth a bucket list of their own, and each's winners: [(class, winners)], the general class
     (None) last. A class is dropped (its shapes go back to the general class) where the general winner of every m
@@ -793,14 +815,9 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv, classes=()):
         fam, cfgs = candidates(kernel, cands, table)
         # an explanation stays with a config that keeps serving its class
         why = {(ct.shape_class(e), ct.cfg_str(e)): e["why"] for e in ct.buckets(table, kernel, fam) if "why" in e}
-        per_class = class_winners(done, kernel, ms_list, table, fam, () if kernel == "rope_kernel" else classes)
+        per_class = class_winners(done, kernel, ms_list, table, fam, _classes_of(kernel, table, fam, classes))
         if not per_class[-1][1]:
             print(f"[tune] {kernel}: nothing complete to write (keeping the table's entries)")
-            continue
-        if kernel == "rope_kernel":
-            e = dict(cfgs[per_class[-1][1][None][0]])
-            w = why.get((ct.GENERAL, ct.cfg_str(e)))
-            new["kernels"].setdefault(kernel, {})[fam] = [dict(e, why=w) if w else e]
             continue
         buckets = []
         for cls, win in per_class:
@@ -835,14 +852,14 @@ def report(done, ops, ms_list, table, cc, classes=()):
     for op in ops:
         kernel, _ = kmap[op]
         fam = "all" if kernel == "rope_kernel" else "half"
-        per_class = class_winners(done, kernel, ms_list, table, fam, () if kernel == "rope_kernel" else classes)
+        per_class = class_winners(done, kernel, ms_list, table, fam, _classes_of(kernel, table, fam, classes))
         kept = [c for c, _ in per_class[:-1]]
         win_of = dict(per_class)
         for (k, sstr, c), r in sorted(done.items(), key=lambda kv: (kv[0][0], kv[1].get("m") or 0, kv[0][1])):
             if k != kernel or c in REFERENCES:
                 continue
             m = None if kernel == "rope_kernel" else r["m"]
-            n, kk = (None, None) if m is None else (r.get("n"), r.get("k"))
+            n, kk = (r.get("n"), None) if m is None else (r.get("n"), r.get("k"))  # rope: n = heads per token row
             wt = None if m is None else _shape_wt(sstr)
             win = win_of[_owner(kept, n, kk, wt)]
             if m not in win or c != win[m][0]:

@@ -1,16 +1,22 @@
 """Rotary position embedding (TransformerEngine semantics) as one Triton kernel.
 
-One program handles one token row (all of its heads); cos/sin of that token's position are shared by its heads. The same kernel does forward and backward (the backward is the exact transpose: it swaps and
-negates the sines), optionally a second tensor at the same positions (q and k in one launch), and works in place:
-every thread stores only elements that it loaded itself, so `out_ptr == x_ptr` is race-free.
+One program handles BLOCK_T consecutive token rows, every head of them: it computes cos/sin of those tokens'
+positions once per block of rotary pairs and applies them to all heads (of x, and of x2 when given: q and k in one
+launch share them), BLOCK_H heads at a time. Several tokens per program matter for few-head tensors (a
+tensor-parallel slice of Llama-3-70B has 8 query heads and 1 KV head: 4.6 KB per token row), where one token row per
+program moves too little to reach copy bandwidth on an H200; the config table picks BLOCK_T by the heads per row.
+Trig per (token, pair), not per head, keeps the kernel memory-bound when there are many heads. The same kernel does forward and backward (the backward is the exact
+transpose: it swaps and negates the sines), and works in place: every thread stores only elements that it loaded
+itself, so `out_ptr == x_ptr` is race-free.
 
 Argument contract (the C++ launcher in csrc/ops/rope_cuda.cpp and aot/manifest.py depend on it):
   x_ptr, out_ptr, x2_ptr, out2_ptr : the tensor(s), any strides (element units); x2/out2 only read if HAS_SECOND
   freqs_ptr                        : float32, row p at freqs_ptr + p * freqs_stride, d2 contiguous floats
   cu_seqlens_ptr                   : int32 [B + 1], global offsets (thd only)
   start_ptr                        : int32 [B] start positions (read only if has_start)
+  rows                             : token rows (S * B; thd: tokens); grid = cdiv(rows, BLOCK_T)
   S, B                             : sbhd/bshd: sequence length and batch; thd: B = number of sequences
-  H, D, HALF                       : heads, head dim, rotary pairs (d2 / 2)
+  H, H2, D, HALF                   : heads of x and x2, head dim, rotary pairs (d2 / 2)
   s_max                            : rows of freqs (positions outside [0, s_max) read zeros, never out of bounds)
   sx*/so*                          : strides of x/out over (s or t, b, h, d)
   cp_size, cp_rank                 : context parallel split (cp_size == 1: none)
@@ -30,8 +36,8 @@ def _sincos(x):
     """sin(x), cos(x) in fp32 from one range reduction and two short polynomials.
 
     Accurate to a few 1e-7 absolute for |x| < 2**15 (positions times frequencies in radians stay far below), and
-    about 4x cheaper than two libdevice calls. That matters: every thread that holds a column of the tile evaluates
-    it, so a token's trig work is replicated across its head rows.
+    about 4x cheaper than two libdevice calls: at copy bandwidth the trig of a few-head tile is a real share of the
+    kernel's instructions.
     """
     k = tl.floor(x * 0.6366197723675814 + 0.5)  # nearest multiple of pi/2
     # Cody-Waite: pi/2 split in three parts; k * 1.5703125 is exact (8 significant bits).
@@ -52,142 +58,134 @@ def _sincos(x):
 
 
 @triton.jit
-def _position(cu_seqlens_ptr, start_ptr, row, S, B, cp_size, cp_rank, flags, IS_THD: tl.constexpr,
-              BLOCK_B: tl.constexpr):
-    """(position in freqs, sequence index b, row within the local sequence s) of a token row."""
+def _positions(cu_seqlens_ptr, start_ptr, tok, tok_ok, S, B, cp_size, cp_rank, flags, IS_THD: tl.constexpr):
+    """(position in freqs, and the token's (s or t, b) indices into its tensor) of each token row."""
     if IS_THD:
-        # Sequence of this token: how many sequence starts (local, i.e. / cp_size) are <= row.
-        seq = 0
-        for i0 in range(0, B, BLOCK_B):
-            i = 1 + i0 + tl.arange(0, BLOCK_B)
-            starts = tl.load(cu_seqlens_ptr + i, mask=i <= B, other=2147483647) // cp_size
-            seq += tl.sum((starts <= row).to(tl.int32), axis=0)
-        b = tl.minimum(seq, B - 1)
-        start = tl.load(cu_seqlens_ptr + b) // cp_size
-        seq_len = tl.load(cu_seqlens_ptr + b + 1) // cp_size - start
-        s = row - start
+        # The sequence of a token: the last b in [0, B) whose local start (cu_seqlens[b] / cp_size) is <= tok. A
+        # binary search, log2(B) gathers per token (cu_seqlens is non-decreasing; an empty sequence shares its start
+        # with the next one, and the search takes the last).
+        b = tl.zeros_like(tok)
+        step = 1
+        while step * 2 < B:
+            step *= 2
+        while step > 0:
+            cand = b + step
+            ok = tok_ok & (cand < B)
+            start = tl.load(cu_seqlens_ptr + cand, mask=ok, other=0) // cp_size
+            b = tl.where(ok & (start <= tok), cand, b)
+            step = step // 2
+        start = tl.load(cu_seqlens_ptr + b, mask=tok_ok, other=0) // cp_size
+        seq_len = tl.load(cu_seqlens_ptr + b + 1, mask=tok_ok, other=0) // cp_size - start
+        s = tok - start
+        row_s = tok
+        row_b = tok * 0
     else:
         if (flags & 1) != 0:  # bshd: rows run over (b, s)
-            b = row // S
-            s = row % S
+            b = tok // S
+            s = tok % S
         else:  # sbhd: rows run over (s, b)
-            s = row // B
-            b = row % B
+            s = tok // B
+            b = tok % B
         seq_len = S
+        row_s = s
+        row_b = b
     pos = s
     if (flags & 4) != 0:
-        pos += tl.load(start_ptr + b)
+        pos += tl.load(start_ptr + b, mask=tok_ok, other=0)
     if cp_size > 1:
         # TE's dual-chunk order: the local sequence is chunk cp_rank followed by chunk 2*cp_size-1-cp_rank.
         half_len = seq_len // 2
-        if s < half_len:
-            pos += cp_rank * half_len
-        else:
-            pos += seq_len * cp_size - (cp_rank + 1) * half_len - half_len
-    return pos, b, s
+        pos += tl.where(s < half_len, cp_rank * half_len, seq_len * cp_size - (cp_rank + 1) * half_len - half_len)
+    return pos, row_s, row_b
 
 
 @triton.jit
-def _rotate(x_ptr, out_ptr, x_row, o_row, H, HALF, sx_h, sx_d, so_h, so_d,
-            freqs_ptr, freqs_stride, s_max, cu_seqlens_ptr, start_ptr, row, S, B, cp_size, cp_rank, flags,
-            IS_THD: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-            BLOCK_B: tl.constexpr):
-    """Rotates the d2 channels of every head of one token row.
-
-    Per tile, the loads of x are issued first: they depend on nothing, so the position lookup, the freqs load and
-    the trig overlap their latency.
-    """
+def _rotate_heads(x_ptr, out_ptr, x_tok, o_tok, tok_ok, H, sx_h, sx_d, so_h, so_d, j, j_ok, HALF,
+                  cos_a, sin_a, cos_b, sin_b, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotates pairs j of every head of the program's tokens; x_tok / o_tok: [BLOCK_T, 1, 1] token row offsets,
+    cos/sin: [BLOCK_T, 1, BLOCK_HALF], shared by all heads."""
     for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        for j0 in range(0, HALF, BLOCK_HALF):
-            j = j0 + tl.arange(0, BLOCK_HALF)
-            j_mask = j < HALF
-            mask = (h < H)[:, None] & j_mask[None, :]
-            xh = x_row + h[:, None].to(tl.int64) * sx_h
-            oh = o_row + h[:, None].to(tl.int64) * so_h
-            if INTERLEAVED:
-                # Pairs are adjacent channels: load the contiguous span and split it, so loads stay wide.
-                k = tl.arange(0, 2)
-                ch = (2 * j)[None, :, None] + k[None, None, :]
-                m3 = mask[:, :, None] & (k[None, None, :] < 2)
-                x = tl.load(x_ptr + xh[:, :, None] + ch * sx_d, mask=m3, other=0.0)
-                xa, xb = tl.split(x)
-                fa_off = 2 * j
-                fb_off = 2 * j + 1
-            else:
-                xa = tl.load(x_ptr + xh + j[None, :] * sx_d, mask=mask, other=0.0)
-                xb = tl.load(x_ptr + xh + (j + HALF)[None, :] * sx_d, mask=mask, other=0.0)
-                fa_off = j
-                fb_off = j + HALF
-
-            pos, b, s = _position(cu_seqlens_ptr, start_ptr, row, S, B, cp_size, cp_rank, flags, IS_THD, BLOCK_B)
-            pos_ok = (pos >= 0) & (pos < s_max)
-            f_row = freqs_ptr + pos.to(tl.int64) * freqs_stride
-            fa = tl.load(f_row + fa_off, mask=j_mask & pos_ok, other=0.0)
-            fb = tl.load(f_row + fb_off, mask=j_mask & pos_ok, other=0.0)
-            sin_a, cos_a = _sincos(fa)
-            if tl.max(tl.abs(fa - fb), axis=0) == 0:  # TE's freqs repeat across the pair: halve the trig
-                sin_b, cos_b = sin_a, cos_a
-            else:
-                sin_b, cos_b = _sincos(fb)
-            if (flags & 2) != 0:
-                # Backward: the transpose of [[c_a, -s_a], [s_b, c_b]] is [[c_a, s_b], [-s_a, c_b]].
-                sin_a, sin_b = -sin_b, -sin_a
-            xa = xa.to(tl.float32)
-            xb = xb.to(tl.float32)
-            oa = xa * cos_a[None, :] - xb * sin_a[None, :]
-            ob = xb * cos_b[None, :] + xa * sin_b[None, :]
-            if INTERLEAVED:
-                o = tl.join(oa, ob)
-                tl.store(out_ptr + oh[:, :, None] + ch * so_d, o.to(out_ptr.dtype.element_ty), mask=m3)
-            else:
-                tl.store(out_ptr + oh + j[None, :] * so_d, oa.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.store(out_ptr + oh + (j + HALF)[None, :] * so_d, ob.to(out_ptr.dtype.element_ty), mask=mask)
+        h = (h0 + tl.arange(0, BLOCK_H))[None, :, None]
+        mask = tok_ok & (h < H) & j_ok
+        xh = x_tok + h.to(tl.int64) * sx_h
+        oh = o_tok + h.to(tl.int64) * so_h
+        if INTERLEAVED:
+            # Pairs are adjacent channels: load the contiguous span and split it, so loads stay wide.
+            k = tl.arange(0, 2)[None, None, None, :]
+            ch = (2 * j)[:, :, :, None] + k
+            m4 = mask[:, :, :, None] & (k < 2)
+            x = tl.load(x_ptr + xh[:, :, :, None] + ch * sx_d, mask=m4, other=0.0)
+            xa, xb = tl.split(x)
+        else:
+            xa = tl.load(x_ptr + xh + j * sx_d, mask=mask, other=0.0)
+            xb = tl.load(x_ptr + xh + (j + HALF) * sx_d, mask=mask, other=0.0)
+        xa = xa.to(tl.float32)
+        xb = xb.to(tl.float32)
+        oa = xa * cos_a - xb * sin_a
+        ob = xb * cos_b + xa * sin_b
+        if INTERLEAVED:
+            o = tl.join(oa, ob)
+            tl.store(out_ptr + oh[:, :, :, None] + ch * so_d, o.to(out_ptr.dtype.element_ty), mask=m4)
+        else:
+            tl.store(out_ptr + oh + j * so_d, oa.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + oh + (j + HALF) * so_d, ob.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _copy_pass(x_ptr, out_ptr, x_row, o_row, H, D, HALF, sx_h, sx_d, so_h, so_d,
+def _copy_pass(x_ptr, out_ptr, x_tok, o_tok, tok_ok, H, D, HALF, sx_h, sx_d, so_h, so_d,
                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Channels d2..d are not rotated: copy them through (skipped when running in place)."""
     for c0 in range(2 * HALF, D, 2 * BLOCK_HALF):
-        c = c0 + tl.arange(0, 2 * BLOCK_HALF)
+        c = (c0 + tl.arange(0, 2 * BLOCK_HALF))[None, None, :]
         for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            mask = (h < H)[:, None] & (c < D)[None, :]
-            v = tl.load(x_ptr + x_row + h[:, None].to(tl.int64) * sx_h + c[None, :] * sx_d, mask=mask)
-            tl.store(out_ptr + o_row + h[:, None].to(tl.int64) * so_h + c[None, :] * so_d, v, mask=mask)
+            h = (h0 + tl.arange(0, BLOCK_H))[None, :, None]
+            mask = tok_ok & (h < H) & (c < D)
+            v = tl.load(x_ptr + x_tok + h.to(tl.int64) * sx_h + c * sx_d, mask=mask)
+            tl.store(out_ptr + o_tok + h.to(tl.int64) * so_h + c * so_d, v, mask=mask)
 
 
 @triton.jit
 def rope_kernel(x_ptr, out_ptr, x2_ptr, out2_ptr, freqs_ptr, cu_seqlens_ptr, start_ptr,
-                S, B, H, H2, D, HALF, s_max, freqs_stride,
+                rows, S, B, H, H2, D, HALF, s_max, freqs_stride,
                 sx_s, sx_b, sx_h, sx_d, so_s, so_b, so_h, so_d,
                 sx2_s, sx2_b, sx2_h, sx2_d, so2_s, so2_b, so2_h, so2_d,
                 cp_size, cp_rank, flags,
                 IS_THD: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_SECOND: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_B: tl.constexpr):
-    row = tl.program_id(0)
-    # Where this token's data lives needs no lookup: thd rows are tokens; sbhd/bshd rows decompose directly.
-    if IS_THD:
-        xs = row.to(tl.int64)
-        xb_ = xs * 0
-    else:
-        if (flags & 1) != 0:
-            xs = (row % S).to(tl.int64)
-            xb_ = (row // S).to(tl.int64)
+                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < rows
+    pos, row_s, row_b = _positions(cu_seqlens_ptr, start_ptr, tok, tok_ok, S, B, cp_size, cp_rank, flags, IS_THD)
+    # Row offsets of each token ([BLOCK_T, 1, 1]): thd rows are tokens (b is 0); sbhd/bshd rows are (s, b).
+    rs = row_s.to(tl.int64)[:, None, None]
+    rb = row_b.to(tl.int64)[:, None, None]
+    tok_ok = tok_ok[:, None, None]
+    pos_ok = tok_ok & (pos >= 0)[:, None, None] & (pos < s_max)[:, None, None]
+    f_row = freqs_ptr + pos.to(tl.int64)[:, None, None] * freqs_stride
+    for j0 in range(0, HALF, BLOCK_HALF):
+        j = (j0 + tl.arange(0, BLOCK_HALF))[None, None, :]
+        j_ok = j < HALF
+        if INTERLEAVED:
+            fa = tl.load(f_row + 2 * j, mask=pos_ok & j_ok, other=0.0)
+            fb = tl.load(f_row + 2 * j + 1, mask=pos_ok & j_ok, other=0.0)
         else:
-            xs = (row // B).to(tl.int64)
-            xb_ = (row % B).to(tl.int64)
-    _rotate(x_ptr, out_ptr, xs * sx_s + xb_ * sx_b, xs * so_s + xb_ * so_b, H, HALF, sx_h, sx_d, so_h, so_d,
-            freqs_ptr, freqs_stride, s_max, cu_seqlens_ptr, start_ptr, row, S, B, cp_size, cp_rank, flags,
-            IS_THD, INTERLEAVED, BLOCK_H, BLOCK_HALF, BLOCK_B)
-    if HAS_SECOND:
-        _rotate(x2_ptr, out2_ptr, xs * sx2_s + xb_ * sx2_b, xs * so2_s + xb_ * so2_b, H2, HALF, sx2_h, sx2_d,
-                so2_h, so2_d, freqs_ptr, freqs_stride, s_max, cu_seqlens_ptr, start_ptr, row, S, B, cp_size,
-                cp_rank, flags, IS_THD, INTERLEAVED, BLOCK_H, BLOCK_HALF, BLOCK_B)
-    if (flags & 8) != 0:
-        _copy_pass(x_ptr, out_ptr, xs * sx_s + xb_ * sx_b, xs * so_s + xb_ * so_b, H, D, HALF, sx_h, sx_d, so_h,
-                   so_d, BLOCK_H, BLOCK_HALF)
+            fa = tl.load(f_row + j, mask=pos_ok & j_ok, other=0.0)
+            fb = tl.load(f_row + j + HALF, mask=pos_ok & j_ok, other=0.0)
+        sin_a, cos_a = _sincos(fa)
+        if tl.max(tl.max(tl.max(tl.abs(fa - fb), axis=2), axis=1), axis=0) == 0:
+            sin_b, cos_b = sin_a, cos_a  # TE's freqs repeat across the pair: halve the trig
+        else:
+            sin_b, cos_b = _sincos(fb)
+        if (flags & 2) != 0:
+            # Backward: the transpose of [[c_a, -s_a], [s_b, c_b]] is [[c_a, s_b], [-s_a, c_b]].
+            sin_a, sin_b = -sin_b, -sin_a
+        _rotate_heads(x_ptr, out_ptr, rs * sx_s + rb * sx_b, rs * so_s + rb * so_b, tok_ok, H, sx_h, sx_d, so_h,
+                      so_d, j, j_ok, HALF, cos_a, sin_a, cos_b, sin_b, INTERLEAVED, BLOCK_H)
         if HAS_SECOND:
-            _copy_pass(x2_ptr, out2_ptr, xs * sx2_s + xb_ * sx2_b, xs * so2_s + xb_ * so2_b, H2, D, HALF, sx2_h,
-                       sx2_d, so2_h, so2_d, BLOCK_H, BLOCK_HALF)
+            _rotate_heads(x2_ptr, out2_ptr, rs * sx2_s + rb * sx2_b, rs * so2_s + rb * so2_b, tok_ok, H2, sx2_h,
+                          sx2_d, so2_h, so2_d, j, j_ok, HALF, cos_a, sin_a, cos_b, sin_b, INTERLEAVED, BLOCK_H)
+    if (flags & 8) != 0:
+        _copy_pass(x_ptr, out_ptr, rs * sx_s + rb * sx_b, rs * so_s + rb * so_b, tok_ok, H, D, HALF, sx_h, sx_d,
+                   so_h, so_d, BLOCK_H, BLOCK_HALF)
+        if HAS_SECOND:
+            _copy_pass(x2_ptr, out2_ptr, rs * sx2_s + rb * sx2_b, rs * so2_s + rb * so2_b, tok_ok, H2, D, HALF,
+                       sx2_h, sx2_d, so2_h, so2_d, BLOCK_H, BLOCK_HALF)

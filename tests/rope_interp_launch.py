@@ -7,18 +7,15 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kernels import rope as K  # noqa: E402
 
 
-def _next_pow2(n):
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def rope_launch(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None,
-                cp_size=1, cp_rank=0, backward=False, second=None, inplace=False, block_h=4, block_half=16,
-                block_b=16):
+                cp_size=1, cp_rank=0, backward=False, second=None, inplace=False, block_t=2, block_h=4,
+                block_half=16):
     """Returns out (and out2 when `second` is given); strides and flags packed as the C++ launcher packs them."""
     d2 = freqs.shape[-1]
     f2 = freqs.reshape(freqs.shape[0], d2)
@@ -51,10 +48,10 @@ def rope_launch(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=No
     flags = (K.FLAG_BSHD if tensor_format == "bshd" else 0) | (K.FLAG_BACKWARD if backward else 0)
     flags |= (K.FLAG_HAS_START if start_positions is not None else 0) | (0 if inplace else K.FLAG_COPY_PASS)
     dummy = torch.zeros(1, dtype=torch.int32)
-    K.rope_kernel[(rows,)](
+    K.rope_kernel[(triton.cdiv(rows, block_t),)](
         t, out, second if second is not None else t, out2, f2,
         cu_seqlens if cu_seqlens is not None else dummy, start_positions if start_positions is not None else dummy,
-        S, B, H, H2, D, d2 // 2, f2.shape[0], f2.stride(0), *sx, *so, *sx2, *so2, cp_size, cp_rank, flags,
+        rows, S, B, H, H2, D, d2 // 2, f2.shape[0], f2.stride(0), *sx, *so, *sx2, *so2, cp_size, cp_rank, flags,
         IS_THD=is_thd, INTERLEAVED=interleaved, HAS_SECOND=second is not None,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_B=block_b)
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half)
     return (out, out2) if second is not None else out

@@ -160,13 +160,18 @@ def test_an_orientation_class_serves_only_its_orientation():
         ct.validate(g)  # the gather GEMM serves the forward only
 
 
-def test_classes_of_an_optional_kernel_may_turn_it_off_and_rope_has_none():
+def test_classes_of_an_optional_kernel_may_turn_it_off_and_rope_has_only_heads():
     t = copy.deepcopy(TABLES[90])
     t["kernels"]["routed_linear_gather_tma_kernel"]["half"] = [{"max_n": 2048, "off": True}, dict(_A)]
     ct.validate(t)
     assert ct.pick(t, "routed_linear_gather_tma_kernel", "half", 512, 1280, 8192) == {"max_n": 2048, "off": True}
-    t["kernels"]["rope_kernel"]["all"][0]["max_n"] = 64
-    with pytest.raises(ValueError, match="rope_kernel has no shape classes"):
+    t["kernels"]["rope_kernel"]["all"] = [{"max_n": 16, "block": [8, 4, 64], "warps": 2, "stages": 1},
+                                          {"block": [1, 8, 64], "warps": 2, "stages": 1}]
+    ct.validate(t)  # rope's heads-per-row class
+    assert ct.pick(t, "rope_kernel", "all", 4096, 9, None)["block"] == [8, 4, 64]
+    assert ct.pick(t, "rope_kernel", "all", 4096, 40, None)["block"] == [1, 8, 64]
+    t["kernels"]["rope_kernel"]["all"][0]["max_k"] = 64
+    with pytest.raises(ValueError, match="rope_kernel's only shape class is max_n"):
         ct.validate(t)
 
 
@@ -254,7 +259,7 @@ def test_variant_meta_matches_its_config():
         assert cfg.endswith(f"_w{v.num_warps}_s{v.num_stages}" + ("_f" if flat else "")
                             + ct.SPLIT_SUFFIX.get(split, "") + ct.STREAM_K_SUFFIX.get(sk, ""))
         names = ("BLOCK_N", "BLOCK_K", "BLOCK_R") if "grad_weight" in v.name else (
-            ("BLOCK_H", "BLOCK_HALF", "BLOCK_B") if v.name == "rope_kernel" else ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+            ("BLOCK_T", "BLOCK_H", "BLOCK_HALF") if v.name == "rope_kernel" else ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
         assert cfg.startswith("x".join(str(v.meta[n]) for n in names))
 
 

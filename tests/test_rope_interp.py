@@ -106,6 +106,40 @@ def test_rope_kernel_large_angles_fp32_accuracy():
         assert rel_err(out, ref) < 2e-6
 
 
+@pytest.mark.parametrize("lens", [[9], [1] * 37, [0, 3, 0, 0, 5, 1, 0], [2, 0, 0]],
+                         ids=["one", "many", "empties", "trailing-empty"])
+def test_rope_kernel_thd_sequence_search(lens):
+    # The kernel finds each token's sequence by a binary search over cu_seqlens: one sequence, more sequences than
+    # a power of two, runs of empty sequences (which share their start with the next) and empty ones at the end.
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    t = torch.randn(int(cu[-1]), 3, 16)
+    f = torch.randn(16, 1, 1, 16)
+    start = torch.randint(0, 6, (len(lens), ), dtype=torch.int32)
+    for block_t in (1, 4):
+        out = rope_launch(t, f, "thd", False, cu_seqlens=cu, start_positions=start, block_t=block_t)
+        assert rel_err(out, rope_reference(t, f, "thd", False, cu_seqlens=cu, start_positions=start)) < 1e-6
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("hq,hk", [(8, 1), (3, 2)])
+def test_rope_kernel_few_heads_many_tokens_per_program(hq, hk, interleaved):
+    # A tensor-parallel slice's GQA (8 query heads, 1 KV head) with more tokens per program than heads, and a token
+    # count that leaves the last program partly empty: the empty rows must neither read nor write; head tiles smaller
+    # and larger than either tensor's heads, k a view whose head stride is not q's.
+    b, s, d = 1, 13, 32
+    q = torch.randn(b, s, hq, d)
+    k = torch.randn(b, s, 2 * hk + 1, d)[:, :, 1::2]  # head stride 2 d: not q's
+    f = torch.randn(s, 1, 1, d)
+    for block_t, block_h in ((8, 4), (4, 16), (1, 8)):
+        qo, ko = rope_launch(q, f, "bshd", interleaved, second=k, block_t=block_t, block_h=block_h)
+        assert rel_err(qo, rope_reference(q, f, "bshd", interleaved)) < 1e-6
+        assert rel_err(ko, rope_reference(k, f, "bshd", interleaved)) < 1e-6
+        q2, k2 = q.clone(), k.clone()
+        rope_launch(q2, f, "bshd", interleaved, second=k2, inplace=True, block_t=block_t, block_h=block_h)
+        assert rel_err(q2, rope_reference(q, f, "bshd", interleaved)) < 1e-6
+        assert rel_err(k2, rope_reference(k, f, "bshd", interleaved)) < 1e-6
+
+
 def _shipped_rope_configs():
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -116,15 +150,15 @@ def _shipped_rope_configs():
 
 @pytest.mark.parametrize("block", _shipped_rope_configs(), ids=lambda b: "x".join(map(str, b)))
 def test_rope_kernel_shipped_configs(block):
-    """Each rope config of aot/configs/*.json (BLOCK_H, BLOCK_HALF, BLOCK_B) on shapes that exceed every block: more
-    heads than BLOCK_H, more pairs than BLOCK_HALF, more thd sequences than BLOCK_B."""
-    bh, bhalf, bb = block
-    kw = dict(block_h=bh, block_half=bhalf, block_b=bb)
-    s, b, h, d = 3, 2, bh + 3, 2 * bhalf + 40
+    """Each rope config of aot/configs/*.json (BLOCK_T, BLOCK_H, BLOCK_HALF) on shapes that exceed every block: more
+    tokens than BLOCK_T (and not a multiple of it), more heads than BLOCK_H, more pairs than BLOCK_HALF."""
+    bt, bh, bhalf = block
+    kw = dict(block_t=bt, block_h=bh, block_half=bhalf)
+    s, b, h, d = bt + 1, 2, bh + 3, 2 * bhalf + 40
     t = torch.randn(s, b, h, d)
     f = torch.randn(s, 1, 1, 2 * bhalf + 8)
     assert rel_err(rope_launch(t, f, "sbhd", **kw), rope_reference(t, f, "sbhd", False)) < 1e-6
-    lens = torch.randint(0, 3, (bb + 5, ))
+    lens = torch.randint(0, 3, (2 * bt + 5, ))
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
     tt = torch.randn(int(cu[-1]), 2, 16)
     ft = torch.randn(8, 1, 1, 16)

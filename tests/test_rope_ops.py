@@ -412,6 +412,48 @@ def test_empty(device, fmt, lead, cu):
     sync(device)
 
 
+def test_qk_where_one_tensor_has_no_heads(device):
+    """q with no heads and k with some (or the reverse): the other tensor is still rotated, nothing is left unwritten."""
+    s, b, d = 9, 2, 16
+    freqs = rand_freqs(s, d, device)
+    for hq, hk in ((0, 3), (3, 0)):
+        q = torch.randn(s, b, hq, d, device=device)
+        k = torch.randn(s, b, hk, d, device=device)
+        poison_allocator(device, k.numel() * k.element_size() + q.numel() * q.element_size())
+        qo, ko = OPS.rope_fwd_qk(q, k, freqs)
+        sync(device)
+        for out, x in ((qo, q), (ko, k)):
+            assert out.shape == x.shape
+            if x.numel():
+                check_out(out, x, rope_reference(x, freqs, "sbhd", False), d, "out")
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_few_heads_many_tokens(device, fmt):
+    """A tensor-parallel slice's GQA (8 query heads, 1 KV head, head dim 128) over a token count that is no multiple
+    of any tokens-per-program block, and in thd as 70 packed sequences (some empty): each program spans several
+    tokens and, in thd, several sequences."""
+    hq, hk, d = 8, 1, 128
+    if fmt == "thd":
+        gen = torch.Generator().manual_seed(7)
+        lens = torch.randint(0, 40, (70, ), generator=gen).tolist()
+        kw = dict(tensor_format="thd", cu_seqlens=torch.tensor(cu_of(lens), dtype=torch.int32, device=device))
+        lead, smax = (sum(lens), ), max(lens)
+    else:
+        kw, lead, smax = dict(tensor_format="bshd"), (2, 1037), 1037
+    q = torch.randn(lead + (hq, d), device=device).to(torch.bfloat16)
+    k = torch.randn(lead + (hk, d), device=device).to(torch.bfloat16)
+    freqs = rand_freqs(smax, d, device)
+    poison_allocator(device, 2 * q.numel() * q.element_size())
+    qo, ko = OPS.rope_fwd_qk(q, k, freqs, **kw)
+    dq, dk = OPS.rope_bwd_qk(q, k, freqs, **kw)
+    sync(device)
+    ref_kw = {n: v.cpu() for n, v in kw.items() if n == "cu_seqlens"}
+    for out, x, bwd in ((qo, q, False), (ko, k, False), (dq, q, True), (dk, k, True)):
+        ref = rope_reference(x.cpu(), freqs.cpu(), fmt, False, backward=bwd, **ref_kw)
+        check_out(out.cpu(), x.cpu(), ref, d, "out")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # autograd
 

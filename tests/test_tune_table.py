@@ -2,6 +2,7 @@
 writing a valid table (the measuring itself runs on the GPU machine: scripts/gpu_job.sh step `tune`)."""
 import json
 import os
+import re
 import shlex
 import sys
 
@@ -264,3 +265,18 @@ def test_the_shipped_sm90_table_is_what_its_measurements_give():
                          "--grad-input" in cmd)
     new = tune.write_table("/dev/null", table, done, ops, ms, 90, device, [], tune.parse_classes(arg("--classes")))
     assert new["kernels"] == table["kernels"]
+
+
+def test_the_shipped_rope_configs_are_what_their_measurements_give():
+    """sm90.json's rope_kernel entries (one per heads-per-row class) are the offline re-tune of the rope records of
+    aot/configs/sm90.measurements.jsonl (their own device's), and the classes are found from each record's heads per
+    token row (q + k)."""
+    table = ct.load(90)
+    results = os.path.join(ROOT, "aot", "configs", "sm90.measurements.jsonl")
+    recs = [json.loads(line) for line in open(results) if '"rope_kernel"' in line]
+    assert recs and all(r["n"] == sum(int(h) for h in re.findall(r"\b[qkh](\d+)\b", r["shape"])) for r in recs)
+    done = tune.load_results(results, recs[0]["device"])
+    done = {key: r for key, r in done.items() if key[0] == "rope_kernel"}
+    new = tune.write_table("/dev/null", table, done, ["rope"], [1], 90, recs[0]["device"], [])
+    assert new["kernels"]["rope_kernel"] == table["kernels"]["rope_kernel"]
+    assert [e.get("max_n") for e in new["kernels"]["rope_kernel"]["all"]] == [16, None]

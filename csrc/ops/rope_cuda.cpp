@@ -31,12 +31,14 @@ void check_cuda_tensor(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.is_cuda(), "rope: ", what, " must be a CUDA tensor, got one on ", x.device());
 }
 
-// One launch over `rows` token rows: x -> out, and x2 -> out2 when x2 is defined (same positions).
+// One launch over `rows` token rows, BLOCK_T (the config's block[0]) per program: x -> out, and x2 -> out2 when x2 is
+// defined (same positions, same cos/sin).
 void launch_rope(const RopeGeometry& g, const RopeOptions& o, const at::Tensor& freqs, const at::Tensor& x,
                  const at::Tensor& out, const at::Tensor& x2, const at::Tensor& out2, bool backward, bool copy_pass) {
-  if (g.rows == 0 || g.H == 0 || g.D == 0) return;
   const bool second = x2.defined();
   const bool thd = g.format == RopeFormat::THD;
+  const int64_t H2 = second ? x2.size(thd ? 1 : 2) : 0;
+  if (g.rows == 0 || g.D == 0 || g.H + H2 == 0) return;  // q may have no heads while k has some
   at::Tensor f = freqs.stride(3) == 1 ? freqs : freqs.contiguous();
   const at::Tensor& cu = thd ? *o.cu_seqlens : x;  // unused pointers get any valid address
   const at::Tensor& sp = o.start_positions.has_value() ? *o.start_positions : x;
@@ -46,16 +48,18 @@ void launch_rope(const RopeGeometry& g, const RopeOptions& o, const at::Tensor& 
   KernelArgs a;
   a.ptr(x.data_ptr()).ptr(out.data_ptr()).ptr(second ? x2.data_ptr() : x.data_ptr())
       .ptr(second ? out2.data_ptr() : out.data_ptr()).ptr(f.data_ptr()).ptr(cu.data_ptr()).ptr(sp.data_ptr());
-  a.i32(g.S).i32(g.B).i32(g.H).i32(second ? x2.size(thd ? 1 : 2) : 0).i32(g.D).i32(g.D2 / 2).i32(g.s_max)
+  a.i32(g.rows).i32(g.S).i32(g.B).i32(g.H).i32(H2).i32(g.D).i32(g.D2 / 2).i32(g.s_max)
       .i64(f.stride(0));
   for (const at::Tensor* tensor : {&x, &out, second ? &x2 : &x, second ? &out2 : &out})
     for (int64_t s : rope_strides(*tensor, g.format)) a.i64(s);
   a.i32(o.cp_size).i32(o.cp_rank).i32(flags);
 
-  // Config (warps, blocks) from the table of the device's architecture (aot/configs/sm<arch>.json); one bucket.
-  const KernelConfig& cfg = kernel_config("rope_kernel", "all", device_capability(x.get_device()), g.rows, -1, -1);
+  // Config (warps, blocks) from the table of the device's architecture (aot/configs/sm<arch>.json); its shape class
+  // is the heads per token row (few heads want several tokens per program).
+  const KernelConfig& cfg =
+      kernel_config("rope_kernel", "all", device_capability(x.get_device()), g.rows, g.H + H2, -1);
   launch_on_current_stream("rope_kernel", rope_key(cfg, dtype_name(x.scalar_type()), o.interleaved, second, thd), a,
-                           Grid{static_cast<uint32_t>(g.rows), 1, 1}, x);
+                           Grid{static_cast<uint32_t>((g.rows + cfg.block[0] - 1) / cfg.block[0]), 1, 1}, x);
 }
 
 RopeGeometry check_cuda_inputs(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o,
