@@ -231,6 +231,8 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
     blk = e.get("block")
     if not (isinstance(blk, list) and len(blk) == 3 and all(_pow2(b) for b in blk)):
         fail(f"{at}: 'block' must be 3 powers of two ({KERNELS[name][1]}), got {blk!r}")
+    if name == "rope_kernel" and blk[0] > 1024:
+        fail(f"{at}: block[0] = {blk[0]} (BLOCK_T) must be at most 1024: the launcher admits up to 2**31 - 1025 tokens")
     if row_idx is not None and ROUTING_ALIGN % blk[row_idx] != 0:
         fail(f"{at}: block[{row_idx}] = {blk[row_idx]} must divide the routing alignment {ROUTING_ALIGN}")
     for key, kind, values in (("split", "2, 4 or 8 (column slices)", SPLIT_SUFFIX),

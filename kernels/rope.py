@@ -5,16 +5,17 @@ positions once per block of rotary pairs and applies them to all heads (of x, an
 launch share them), BLOCK_H heads at a time. Several tokens per program matter for few-head tensors (a
 tensor-parallel slice of Llama-3-70B has 8 query heads and 1 KV head: 4.6 KB per token row), where one token row per
 program moves too little to reach copy bandwidth on an H200; the config table picks BLOCK_T by the heads per row.
-Trig per (token, pair), not per head, keeps the kernel memory-bound when there are many heads. The same kernel does forward and backward (the backward is the exact
-transpose: it swaps and negates the sines), and works in place: every thread stores only elements that it loaded
-itself, so `out_ptr == x_ptr` is race-free.
+Trig per (token, pair), not per head, keeps the kernel memory-bound when there are many heads. The same kernel does
+forward and backward (the backward is the exact transpose: it swaps and negates the sines), and works in place:
+every thread stores only elements that it loaded itself, so `out_ptr == x_ptr` is race-free.
 
 Argument contract (the C++ launcher in csrc/ops/rope_cuda.cpp and aot/manifest.py depend on it):
   x_ptr, out_ptr, x2_ptr, out2_ptr : the tensor(s), any strides (element units); x2/out2 only read if HAS_SECOND
   freqs_ptr                        : float32, row p at freqs_ptr + p * freqs_stride, d2 contiguous floats
   cu_seqlens_ptr                   : int32 [B + 1], global offsets (thd only)
   start_ptr                        : int32 [B] start positions (read only if has_start)
-  rows                             : token rows (S * B; thd: tokens); grid = cdiv(rows, BLOCK_T)
+  rows                             : token rows (S * B; thd: tokens), at most 2**31 - 1 - BLOCK_T (int32 indices);
+                                     grid = cdiv(rows, BLOCK_T)
   S, B                             : sbhd/bshd: sequence length and batch; thd: B = number of sequences
   H, H2, D, HALF                   : heads of x and x2, head dim, rotary pairs (d2 / 2)
   s_max                            : rows of freqs (positions outside [0, s_max) read zeros, never out of bounds)

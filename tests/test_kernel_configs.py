@@ -173,6 +173,9 @@ def test_classes_of_an_optional_kernel_may_turn_it_off_and_rope_has_only_heads()
     t["kernels"]["rope_kernel"]["all"][0]["max_k"] = 64
     with pytest.raises(ValueError, match="rope_kernel's only shape class is max_n"):
         ct.validate(t)
+    t["kernels"]["rope_kernel"]["all"] = [{"block": [2048, 1, 64], "warps": 2, "stages": 1}]
+    with pytest.raises(ValueError, match="BLOCK_T"):
+        ct.validate(t)
 
 
 def test_route_blocks_restart_at_each_class():

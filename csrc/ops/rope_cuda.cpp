@@ -67,7 +67,9 @@ RopeGeometry check_cuda_inputs(const at::Tensor& t, const at::Tensor& freqs, con
   check_cuda_tensor(t, what);
   RopeGeometry g = check_rope_inputs(t, freqs, o, what);
   dtype_name(t.scalar_type());
-  TORCH_CHECK(g.rows <= std::numeric_limits<int32_t>::max(), "rope: too many tokens (", g.rows, ") for one launch");
+  // The kernel indexes tokens in int32, up to the end of its last program's block of tokens (at most 1024).
+  TORCH_CHECK(g.rows <= std::numeric_limits<int32_t>::max() - 1024, "rope: too many tokens (", g.rows,
+              ") for one launch");
   // Reading cu_seqlens / start_positions costs a device-to-host copy; never during CUDA graph capture.
   if (sync_checks_enabled() && (o.cu_seqlens.has_value() || o.start_positions.has_value()) &&
       !current_stream_is_capturing(t))
