@@ -30,6 +30,7 @@ FLAG_BSHD = 1
 FLAG_BACKWARD = 2
 FLAG_HAS_START = 4
 FLAG_COPY_PASS = 8
+SCAN_B = tl.constexpr(128)  # thd: up to this many sequences, a token's sequence is found by one vector compare
 
 
 @triton.jit
@@ -62,19 +63,25 @@ def _sincos(x):
 def _positions(cu_seqlens_ptr, start_ptr, tok, tok_ok, S, B, cp_size, cp_rank, flags, IS_THD: tl.constexpr):
     """(position in freqs, and the token's (s or t, b) indices into its tensor) of each token row."""
     if IS_THD:
-        # The sequence of a token: the last b in [0, B) whose local start (cu_seqlens[b] / cp_size) is <= tok. A
-        # binary search, log2(B) gathers per token (cu_seqlens is non-decreasing; an empty sequence shares its start
-        # with the next one, and the search takes the last).
-        b = tl.zeros_like(tok)
-        step = 1
-        while step * 2 < B:
-            step *= 2
-        while step > 0:
-            cand = b + step
-            ok = tok_ok & (cand < B)
-            start = tl.load(cu_seqlens_ptr + cand, mask=ok, other=0) // cp_size
-            b = tl.where(ok & (start <= tok), cand, b)
-            step = step // 2
+        # The sequence of a token: the last b in [0, B) whose local start (cu_seqlens[b] / cp_size) is <= tok
+        # (cu_seqlens is non-decreasing; an empty sequence shares its start with the next one, and both ways take
+        # the last). Up to SCAN_B sequences: count the starts <= tok, one vector load (a decode batch's wait is one
+        # round trip, not log2(B) dependent ones); beyond: a binary search, log2(B) gathers per token instead of B.
+        if B <= SCAN_B:
+            i = 1 + tl.arange(0, SCAN_B)
+            starts = tl.load(cu_seqlens_ptr + i, mask=i <= B, other=2147483647) // cp_size
+            b = tl.minimum(tl.sum((starts[None, :] <= tok[:, None]).to(tl.int32), axis=1), B - 1)
+        else:
+            b = tl.zeros_like(tok)
+            step = 1
+            while step * 2 < B:
+                step *= 2
+            while step > 0:
+                cand = b + step
+                ok = tok_ok & (cand < B)
+                start = tl.load(cu_seqlens_ptr + cand, mask=ok, other=0) // cp_size
+                b = tl.where(ok & (start <= tok), cand, b)
+                step = step // 2
         start = tl.load(cu_seqlens_ptr + b, mask=tok_ok, other=0) // cp_size
         seq_len = tl.load(cu_seqlens_ptr + b + 1, mask=tok_ok, other=0) // cp_size - start
         s = tok - start

@@ -106,11 +106,12 @@ def test_rope_kernel_large_angles_fp32_accuracy():
         assert rel_err(out, ref) < 2e-6
 
 
-@pytest.mark.parametrize("lens", [[9], [1] * 37, [0, 3, 0, 0, 5, 1, 0], [2, 0, 0]],
-                         ids=["one", "many", "empties", "trailing-empty"])
+@pytest.mark.parametrize("lens", [[9], [1] * 37, [0, 3, 0, 0, 5, 1, 0], [2, 0, 0], [1, 0] * 100 + [2] * 61],
+                         ids=["one", "many", "empties", "trailing-empty", "search"])
 def test_rope_kernel_thd_sequence_search(lens):
-    # The kernel finds each token's sequence by a binary search over cu_seqlens: one sequence, more sequences than
-    # a power of two, runs of empty sequences (which share their start with the next) and empty ones at the end.
+    # The kernel finds each token's sequence by one compare against every start (up to SCAN_B sequences) or by a
+    # binary search over cu_seqlens (beyond): one sequence, more sequences than a power of two, runs of empty
+    # sequences (which share their start with the next), empty ones at the end, and 261 sequences (the search).
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     t = torch.randn(int(cu[-1]), 3, 16)
     f = torch.randn(16, 1, 1, 16)
