@@ -859,7 +859,7 @@ def report(done, ops, ms_list, table, cc, classes=()):
             if k != kernel or c in REFERENCES:
                 continue
             m = None if kernel == "rope_kernel" else r["m"]
-            n, kk = (r.get("n"), None) if m is None else (r.get("n"), r.get("k"))  # rope: n = heads per token row
+            n, kk = r.get("n"), None if m is None else r.get("k")  # rope: n = heads per token row, no k class
             wt = None if m is None else _shape_wt(sstr)
             win = win_of[_owner(kept, n, kk, wt)]
             if m not in win or c != win[m][0]:
