@@ -30,7 +30,7 @@ DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 # indices, masks, fp32 side buffers); see runtime_args.
 _ARG_TYPES = {"perm_ptr": "*i32", "seg_ptr": "*i32", "block_counts_ptr": "*i32", "cu_seqlens_ptr": "*i32",
               "start_ptr": "*i32", "mask_ptr": "*i8", "colsum_ptr": "*fp32", "freqs_ptr": "*fp32",
-              "ws_ptr": "*fp32", "flag_ptr": "*i32"}
+              "ws_ptr": "*fp32", "flag_ptr": "*i32", "buf_ptr": "*i32"}
 
 
 def runtime_args(kernel: str, dt: str = "", descs: Dict[str, str] = None,
@@ -254,6 +254,11 @@ def _routing_variants() -> List[Variant]:
                            runtime_args("kernels.routing:routing_scatter_kernel"), {"CHUNK": 1024, "ALIGN": align}, {}, 4, 1, ARCHS))
         out.append(Variant("kernels.routing:routing_single_kernel", {"align": align, "block": routing.SINGLE_BLOCK},
                            runtime_args("kernels.routing:routing_single_kernel"), {"BLOCK": routing.SINGLE_BLOCK, "ALIGN": align}, {}, 4, 1, ARCHS))
+    # The `route` op's buffer (both routings, the aligned one to ROUTING_ALIGN) in one launch.
+    for block, warps in ((routing.ONE_BLOCK_SMALL, 2), (routing.ONE_BLOCK_MID, 8), (routing.ONE_BLOCK, 8)):
+        out.append(Variant("kernels.routing:routing_shared_kernel", {"block": block},
+                           runtime_args("kernels.routing:routing_shared_kernel"),
+                           {"BLOCK": block, "ALIGN": config_table.ROUTING_ALIGN}, {}, warps, 1, ARCHS))
     out.append(Variant("kernels.routing:routing_count_kernel", {"chunk": 1024},
                        runtime_args("kernels.routing:routing_count_kernel"), {"CHUNK": 1024}, {}, 4, 1, ARCHS))
     return out

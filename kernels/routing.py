@@ -20,6 +20,7 @@ forward's x and h; csrc/ops/ffn_cuda.cpp).
 
 Kernels:
   routing_one_block_kernel  grid (1,)  M <= ONE_BLOCK                  -> perm, seg (one launch)
+  routing_shared_kernel     grid (1,)  M <= ONE_BLOCK                  -> both routings in one buffer (`route` op)
   routing_count_kernel      grid (NB,) NB = max(1, cdiv(M, CHUNK))     -> block_counts int32 [NB, 2]
   routing_scatter_kernel    grid (NB,) after the count kernel          -> perm, seg
   routing_single_kernel     grid (cdiv(M_pad, BLOCK),) one expert      -> perm = arange, seg
@@ -40,6 +41,8 @@ SINGLE_BLOCK = 1024  # routing_single_kernel's BLOCK
 # -1 entries past the last row of an unaligned routing (ALIGN = 1): a row tile that starts at an expert's last row
 # reads BLOCK_M entries of perm, and every BLOCK_M divides the aligned routing's ALIGN (128; aot/config_table.py).
 ROW_TAIL = tl.constexpr(128)
+# A routing buffer's slots ahead of perm: seg's 5 and 3 unused (csrc/ops/routed_gemm.h kSegSlots).
+SEG_SLOTS = tl.constexpr(8)
 
 
 def padded_rows(M: int, align: int) -> int:
@@ -164,16 +167,29 @@ def routing_scatter_kernel(mask_ptr, block_counts_ptr, perm_ptr, seg_ptr, M, M_p
 
 
 @triton.jit
-def route_one_block(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    """Both routing steps in one program for M <= BLOCK: routing_one_block_kernel's body, also run at the start of
-    the GEMMs that route for themselves (kernels/gemm_gather_tma.py, ROUTE_BLOCK)."""
+def _route_loaded(m, offs, valid, t0, t1, perm_ptr, seg_ptr, M_pad, ALIGN: tl.constexpr):
+    """perm and seg of one routing from the whole mask, loaded (m over offs = [0, BLOCK), valid = offs < M), and its
+    expert totals t0, t1."""
+    _scatter_rows(m, perm_ptr, offs, 0, valid, t0 * 0, t1 * 0, ((t0 + ALIGN - 1) // ALIGN) * ALIGN)
+    pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
+
+
+@triton.jit
+def _load_whole_mask(mask_ptr, M, BLOCK: tl.constexpr):
+    """(m, offs, valid, t0, t1): a mask of M <= BLOCK rows in one program, and its rows per expert."""
     offs = tl.arange(0, BLOCK)
     valid = offs < M
     m = tl.load(mask_ptr + offs, mask=valid, other=0)
     t1 = tl.sum(((m != 0) & valid).to(tl.int32), axis=0)
-    t0 = M - t1
-    _scatter_rows(m, perm_ptr, offs, 0, valid, t0 * 0, t1 * 0, ((t0 + ALIGN - 1) // ALIGN) * ALIGN)
-    pad_and_seg(perm_ptr, seg_ptr, t0, t1, M_pad, ALIGN)
+    return m, offs, valid, M - t1, t1
+
+
+@triton.jit
+def route_one_block(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """Both routing steps in one program for M <= BLOCK: routing_one_block_kernel's body, also run at the start of
+    the GEMMs that route for themselves (kernels/gemm_gather_tma.py, ROUTE_BLOCK)."""
+    m, offs, valid, t0, t1 = _load_whole_mask(mask_ptr, M, BLOCK)
+    _route_loaded(m, offs, valid, t0, t1, perm_ptr, seg_ptr, M_pad, ALIGN)
 
 
 @triton.jit
@@ -183,6 +199,33 @@ def routing_one_block_kernel(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.co
     tokens; the launches are a visible part of a decode step)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     route_one_block(mask_ptr, perm_ptr, seg_ptr, M, M_pad, BLOCK, ALIGN)
+
+
+@triton.jit
+def _fill_minus_one(ptr, lo, hi):
+    """ptr[lo:hi] = -1 (any length; ROW_TAIL entries per store)."""
+    for s in range(lo, hi, ROW_TAIL):
+        p = s + tl.arange(0, ROW_TAIL)
+        tl.store(ptr + p, tl.full([ROW_TAIL], -1, tl.int32), mask=p < hi)
+
+
+@triton.jit
+def routing_shared_kernel(mask_ptr, buf_ptr, M, M_pad, section, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """The `route` op's shared routing of M <= BLOCK rows in one launch (csrc/ops/routed_gemm.h,
+    shared_routing_size): the routing aligned to ALIGN (perm of M_pad entries) at buf[0], the unaligned one
+    (perm of M + ROW_TAIL entries) at buf[section], each as SEG_SLOTS slots (seg and 3 unused) and perm, and -1 in
+    every entry neither writes (seg's unused slots, the gap between the sections), so that the buffer is a function
+    of the mask alone. One program; it replaces a memset and two routing launches on every decode step."""
+    grid_dependency_sync(PDL)  # first: see kernels/pdl.py
+    m, offs, valid, t0, t1 = _load_whole_mask(mask_ptr, M, BLOCK)
+    _route_loaded(m, offs, valid, t0, t1, buf_ptr + SEG_SLOTS, buf_ptr, M_pad, ALIGN)
+    _route_loaded(m, offs, valid, t0, t1, buf_ptr + section + SEG_SLOTS, buf_ptr + section, M + ROW_TAIL, 1)
+    # Disjoint from every entry written above (no ordering between the program's threads is needed).
+    unused = 5 + tl.arange(0, 4)  # seg's unused slots [5, SEG_SLOTS) of each section
+    tl.store(buf_ptr + unused, tl.full([4], -1, tl.int32), mask=unused < SEG_SLOTS)
+    tl.store(buf_ptr + section + unused, tl.full([4], -1, tl.int32), mask=unused < SEG_SLOTS)
+    _fill_minus_one(buf_ptr, M_pad + SEG_SLOTS, section)
 
 
 @triton.jit
@@ -229,6 +272,29 @@ def route(mask, align: int = 128, chunk: int = 1024, one_block: int = ONE_BLOCK,
     routing_count_kernel[(nb, )](mask, counts, M, CHUNK=chunk)
     routing_scatter_kernel[(nb, )](mask, counts, perm, seg, M, M_pad, nb, CHUNK=chunk, ALIGN=align)
     return perm, seg
+
+
+def shared_layout(M: int, align: int = 128):
+    """(M_pad, section, size) of the shared routing buffer of M rows, as csrc/ops/routed_gemm.h defines it: the
+    aligned routing's perm rows, where the unaligned routing starts (a multiple of 4), the buffer's length."""
+    section = -(-(M + SEG_SLOTS.value + 2 * align) // 4) * 4
+    return padded_rows(M, align), section, section + SEG_SLOTS.value + padded_rows(M, 1)
+
+
+def route_shared(mask, align: int = 128, block: int = ONE_BLOCK, buf=None):
+    """Python launcher of routing_shared_kernel (M <= block): the `route` op's buffer, int32 [size] (into `buf`
+    when given)."""
+    import torch
+    M = mask.shape[0]
+    assert M <= block
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.int8)
+    M_pad, section, size = shared_layout(M, align)
+    if buf is None:
+        buf = torch.empty(size, dtype=torch.int32, device=mask.device)
+    assert buf.shape == (size, ) and buf.dtype == torch.int32
+    routing_shared_kernel[(1, )](mask if M else buf, buf, M, M_pad, section, BLOCK=block, ALIGN=align, num_warps=8)
+    return buf
 
 
 def route_single(M: int, device, align: int = 128, block: int = SINGLE_BLOCK):

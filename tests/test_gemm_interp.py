@@ -24,7 +24,7 @@ from kernels.gemm_tiles import _expert_tile_mn  # noqa: E402
 from kernels.gemm_tma import (launch_routed_linear_tma, launch_routed_swiglu_pair_bwd_tma,  # noqa: E402
                               launch_routed_swiglu_pair_tma, launch_routed_swiglu_tma)
 from kernels.grad_weight import launch_routed_grad_weight, launch_routed_grad_weight_tma  # noqa: E402
-from kernels.routing import one_block_size, padded_rows, route, route_single  # noqa: E402
+from kernels.routing import one_block_size, padded_rows, route, route_shared, route_single, shared_layout  # noqa: E402
 
 ALIGN = 16
 T = dict(BM=16, BN=16, BK=16)
@@ -144,6 +144,27 @@ def test_routing(M, kind, path, align):
     assert torch.equal(perm[start1:start1 + c1], rows1)
     assert (perm[start1 + c1:] == -1).all()
     assert end <= M_pad
+
+
+@pytest.mark.parametrize("M", [0, 1, 37, 64, 300])
+@pytest.mark.parametrize("kind", MASKS)
+def test_routing_shared(M, kind):
+    """The `route` op's one-launch buffer: the aligned routing at 0 and the unaligned one at its section, each equal
+    to what the routing kernels above write alone, and -1 in every other entry (the buffer is poisoned first). The
+    layout, written out from csrc/ops/routed_gemm.h: 8 slots (seg and 3 unused) before each perm."""
+    gen = torch.Generator().manual_seed(M + 1)
+    mask = make_mask(kind, M, gen) if M > 0 else torch.zeros(0, dtype=torch.bool)
+    section = -(-(M + 8 + 2 * 128) // 4) * 4
+    size = section + 8 + M + 128
+    assert shared_layout(M) == (padded_rows(M, 128), section, size)
+    buf = torch.full((size, ), 7, dtype=torch.int32)
+    route_shared(mask, block=64 if M <= 64 else 512, buf=buf)
+    want = torch.full((size, ), -1, dtype=torch.int32)
+    for off, align in ((0, 128), (section, 1)):
+        perm, seg = route(mask, align=align)
+        want[off:off + 5] = seg
+        want[off + 8:off + 8 + perm.numel()] = perm
+    assert torch.equal(buf, want), (buf - want).nonzero().flatten()[:8].tolist()
 
 
 @pytest.mark.parametrize("M", [0, 1, 16, 17, 300])

@@ -51,7 +51,8 @@ def test_environment_sets_the_default(env, default):
 # ---------------------------------------------------------------------------------------------------------------
 # By module: kernels/routing.py, gather_rows.py, gemm_pointer.py, gemm_tma.py, gemm_gather_tma.py, gemm_decode.py,
 # grad_weight.py, swiglu_backward.py.
-_KERNELS = ["routing_one_block_kernel", "routing_count_kernel", "routing_scatter_kernel", "routing_single_kernel",
+_KERNELS = ["routing_one_block_kernel", "routing_shared_kernel", "routing_count_kernel", "routing_scatter_kernel",
+            "routing_single_kernel",
             "gather_rows_kernel", "route_gather_rows_kernel", "expert_colsum_kernel",
             "routed_linear_kernel", "routed_swiglu_kernel",
             "routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_swiglu_pair_tma_kernel",

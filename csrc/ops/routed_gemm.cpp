@@ -24,8 +24,6 @@ namespace fused {
 namespace routed {
 namespace {
 
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 std::string make_key(std::initializer_list<std::pair<const char*, std::string>> kv) {
   std::map<std::string, std::string> sorted;
   for (const auto& p : kv) sorted.emplace(p.first, p.second);
@@ -160,6 +158,7 @@ std::string swiglu_backward_key(const Gemm& g, bool gather) {
 std::string routing_one_block_key(bool aligned, int64_t block) {
   return make_key({{"align", align_str(aligned)}, {"block", std::to_string(block)}});
 }
+std::string routing_shared_key(int64_t block) { return make_key({{"block", std::to_string(block)}}); }
 std::string routing_count_key() { return make_key({{"chunk", std::to_string(kChunk)}}); }
 std::string routing_scatter_key(bool aligned) {
   return make_key({{"chunk", std::to_string(kChunk)}, {"align", align_str(aligned)}});
@@ -297,10 +296,17 @@ Routing route(const at::Tensor& mask, bool aligned) {
 at::Tensor route_shared(const at::Tensor& mask) {
   const at::Tensor m = flat_mask(mask);
   const int64_t M = m.numel();
-  // Every entry defined (-1 where the routing kernels write nothing: seg's unused slots, the aligned perm's unused
-  // tail), so that the op's result is a function of the mask alone, equal to the CPU's: one driver memset per forward
-  // pass (a fill kernel through ATen costs a few us more of host time, and the route op is on every decode step).
+  // Every entry defined (-1 where the routings write nothing: seg's unused slots, the aligned perm's unused tail), so
+  // that the op's result is a function of the mask alone, equal to the CPU's. The route op is on every decode step:
+  // up to kOneBlock rows one launch writes the whole buffer; past it a driver memset and the two-kernel routings.
   at::Tensor buffer = at::empty({shared_routing_size(M)}, m.options().dtype(at::kInt));
+  if (one_block_size(M) > 0) {  // a decode step or a prompt of up to kOneBlock tokens: one launch writes it all
+    KernelArgs a;
+    a.ptr(M > 0 ? m.data_ptr() : buffer.data_ptr()).ptr(buffer.data_ptr()).i32(M).i32(aligned_rows(M))
+        .i32(unaligned_section(M));
+    launch_on_current_stream("routing_shared_kernel", routing_shared_key(one_block_size(M)), a, grid(1), buffer);
+    return buffer;
+  }
   fill32_on_current_stream(buffer, 0xFFFFFFFFu);
   ensure_routed(route_into(m, /*aligned=*/true, buffer.narrow(0, 0, routing_buffer_size(M))));
   ensure_routed(route_into(m, /*aligned=*/false, buffer.narrow(0, unaligned_section(M), unaligned_routing_size(M))));
@@ -942,8 +948,10 @@ std::vector<VariantRequest> requestable_variants(int cc) {
         for (int64_t wt : {-1, 0, 1}) shapes.push_back({m, n, k, wt});
   for (bool aligned : {true, false}) {  // routing: no dtype
     for (int64_t m : ms)
-      if (one_block_size(m) > 0)
+      if (one_block_size(m) > 0) {
         out.insert({"routing_one_block_kernel", routing_one_block_key(aligned, one_block_size(m))});
+        out.insert({"routing_shared_kernel", routing_shared_key(one_block_size(m))});
+      }
     out.insert({"routing_count_kernel", routing_count_key()});
     out.insert({"routing_scatter_kernel", routing_scatter_key(aligned)});
     out.insert({"routing_single_kernel", routing_single_key(aligned)});

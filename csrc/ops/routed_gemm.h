@@ -132,8 +132,8 @@ template <typename Int>
 Int unaligned_routing_size(const Int& M) { return M + (kSegSlots + kRowTail); }
 template <typename Int>
 Int shared_routing_size(const Int& M) { return unaligned_section(M) + unaligned_routing_size(M); }
-// Both routings of `mask` into a new shared routing buffer (one or two routing launches each; no host sync), -1 in
-// every entry they do not write.
+// Both routings of `mask` into a new shared routing buffer, -1 in every entry they do not write; no host sync. One
+// launch up to kOneBlock rows (kernels/routing.py routing_shared_kernel), else a memset and two launches each.
 at::Tensor route_shared(const at::Tensor& mask);
 // The routing of M rows held in `buffer`, written: the aligned one of a linear_dual_forward routing or of a shared
 // routing (aligned = true), or the unaligned one of a shared routing (the caller checked its dtype, device and size).

@@ -54,6 +54,9 @@ struct Grid {
   uint32_t x = 1, y = 1, z = 1;
 };
 
+// ceil(a / b) for a >= 0, b > 0: the programs of a grid over a blocks of b.
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // Launches kernel `kernel` (the @triton.jit name) with variant key `key` ("dtype=bf16,thd=0,..."): takes the
 // first compiled variant whose assumptions (alignment, constant arguments) the arguments satisfy, loads its image
 // for `device` (a CUDA ordinal) in the current context if not loaded yet, and launches it on `stream`.
