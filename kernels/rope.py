@@ -30,7 +30,7 @@ FLAG_BSHD = 1
 FLAG_BACKWARD = 2
 FLAG_HAS_START = 4
 FLAG_COPY_PASS = 8
-SCAN_B = tl.constexpr(128)  # thd: up to this many sequences, a token's sequence is found by one vector compare
+SCAN_B = tl.constexpr(256)  # thd: up to this many sequences, a token's sequence is found by one vector compare
 
 
 @triton.jit
@@ -166,6 +166,8 @@ def rope_kernel(x_ptr, out_ptr, x2_ptr, out2_ptr, freqs_ptr, cu_seqlens_ptr, sta
     # Row offsets of each token ([BLOCK_T, 1, 1]): thd rows are tokens (b is 0); sbhd/bshd rows are (s, b).
     rs = row_s.to(tl.int64)[:, None, None]
     rb = row_b.to(tl.int64)[:, None, None]
+    x_tok, o_tok = rs * sx_s + rb * sx_b, rs * so_s + rb * so_b
+    x2_tok, o2_tok = rs * sx2_s + rb * sx2_b, rs * so2_s + rb * so2_b
     tok_ok = tok_ok[:, None, None]
     pos_ok = tok_ok & (pos >= 0)[:, None, None] & (pos < s_max)[:, None, None]
     f_row = freqs_ptr + pos.to(tl.int64)[:, None, None] * freqs_stride
@@ -186,14 +188,13 @@ def rope_kernel(x_ptr, out_ptr, x2_ptr, out2_ptr, freqs_ptr, cu_seqlens_ptr, sta
         if (flags & 2) != 0:
             # Backward: the transpose of [[c_a, -s_a], [s_b, c_b]] is [[c_a, s_b], [-s_a, c_b]].
             sin_a, sin_b = -sin_b, -sin_a
-        _rotate_heads(x_ptr, out_ptr, rs * sx_s + rb * sx_b, rs * so_s + rb * so_b, tok_ok, H, sx_h, sx_d, so_h,
-                      so_d, j, j_ok, HALF, cos_a, sin_a, cos_b, sin_b, INTERLEAVED, BLOCK_H)
+        _rotate_heads(x_ptr, out_ptr, x_tok, o_tok, tok_ok, H, sx_h, sx_d, so_h, so_d, j, j_ok, HALF,
+                      cos_a, sin_a, cos_b, sin_b, INTERLEAVED, BLOCK_H)
         if HAS_SECOND:
-            _rotate_heads(x2_ptr, out2_ptr, rs * sx2_s + rb * sx2_b, rs * so2_s + rb * so2_b, tok_ok, H2, sx2_h,
-                          sx2_d, so2_h, so2_d, j, j_ok, HALF, cos_a, sin_a, cos_b, sin_b, INTERLEAVED, BLOCK_H)
+            _rotate_heads(x2_ptr, out2_ptr, x2_tok, o2_tok, tok_ok, H2, sx2_h, sx2_d, so2_h, so2_d, j, j_ok, HALF,
+                          cos_a, sin_a, cos_b, sin_b, INTERLEAVED, BLOCK_H)
     if (flags & 8) != 0:
-        _copy_pass(x_ptr, out_ptr, rs * sx_s + rb * sx_b, rs * so_s + rb * so_b, tok_ok, H, D, HALF, sx_h, sx_d,
-                   so_h, so_d, BLOCK_H, BLOCK_HALF)
+        _copy_pass(x_ptr, out_ptr, x_tok, o_tok, tok_ok, H, D, HALF, sx_h, sx_d, so_h, so_d, BLOCK_H, BLOCK_HALF)
         if HAS_SECOND:
-            _copy_pass(x2_ptr, out2_ptr, rs * sx2_s + rb * sx2_b, rs * so2_s + rb * so2_b, tok_ok, H2, D, HALF,
-                       sx2_h, sx2_d, so2_h, so2_d, BLOCK_H, BLOCK_HALF)
+            _copy_pass(x2_ptr, out2_ptr, x2_tok, o2_tok, tok_ok, H2, D, HALF, sx2_h, sx2_d, so2_h, so2_d, BLOCK_H,
+                       BLOCK_HALF)

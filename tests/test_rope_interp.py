@@ -112,6 +112,8 @@ def test_rope_kernel_thd_sequence_search(lens):
     # The kernel finds each token's sequence by one compare against every start (up to SCAN_B sequences) or by a
     # binary search over cu_seqlens (beyond): one sequence, more sequences than a power of two, runs of empty
     # sequences (which share their start with the next), empty ones at the end, and 261 sequences (the search).
+    from kernels.rope import SCAN_B
+    assert (len(lens) > SCAN_B.value) == (len(lens) == 261), "the search case must exceed SCAN_B, the others not"
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     t = torch.randn(int(cu[-1]), 3, 16)
     f = torch.randn(16, 1, 1, 16)

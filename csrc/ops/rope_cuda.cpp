@@ -59,7 +59,7 @@ void launch_rope(const RopeGeometry& g, const RopeOptions& o, const at::Tensor& 
   const KernelConfig& cfg =
       kernel_config("rope_kernel", "all", device_capability(x.get_device()), g.rows, g.H + H2, -1);
   launch_on_current_stream("rope_kernel", rope_key(cfg, dtype_name(x.scalar_type()), o.interleaved, second, thd), a,
-                           Grid{static_cast<uint32_t>((g.rows + cfg.block[0] - 1) / cfg.block[0]), 1, 1}, x);
+                           Grid{static_cast<uint32_t>(cdiv(g.rows, cfg.block[0])), 1, 1}, x);
 }
 
 RopeGeometry check_cuda_inputs(const at::Tensor& t, const at::Tensor& freqs, const RopeOptions& o,
