@@ -209,6 +209,24 @@ def bench_pair(
 
 
 @contextlib.contextmanager
+def graph_of(torch, calls, passes: int = 3):
+    """A CUDA graph of `passes` passes over `calls` (warmed up on a side stream first) and its number of calls:
+    replayed between two events, the kernels' time without the host's launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(passes):
+            for c in calls:
+                c()
+    return g, passes * len(calls)
+
+
 def programmatic_launch(enabled: bool):
     """fused_ops' programmatic dependent launch on or off inside the block (A/B rows of the routed benchmarks)."""
     import fused_ops

@@ -23,6 +23,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import graph_of  # noqa: E402
+
 # (N, K) of the projections a decode step reads: the matrix's linear_dual shapes and Llama-3-70B-TP8's MLP
 SHAPES = {"llama3-8b.qkv": (6144, 4096), "llama3-8b.o": (4096, 4096), "70b-tp8.qkv": (1280, 8192),
           "70b-tp8.o": (8192, 1024), "cogvlm2.qkv": (12288, 4096), "qwen2.5-7b.qkv": (4608, 3584),
@@ -31,21 +33,12 @@ SHAPES = {"llama3-8b.qkv": (6144, 4096), "llama3-8b.o": (4096, 4096), "70b-tp8.q
 TILES = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256) for w in (2, 4) for st in (3, 4)] + [
     (128, 128, 4, 3), (64, 64, 4, 3), (64, 512, 4, 3)]
 GENERAL = (32, 256, 4, 4)  # sm90.json's general class
-COPIES, PER, REPS = 8, 16, 30
+COPIES, REPS = 8, 30
 
 
 def graph_time(torch, fns):
-    """us per call of fns (cycled through) in one CUDA graph of PER calls, median of REPS replays."""
-    for f in fns[:2]:
-        f()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(g, stream=stream):
-            for i in range(PER):
-                fns[i % len(fns)]()
-    torch.cuda.synchronize()
+    """us per call of fns in one CUDA graph of two passes over them (common.graph_of), median of REPS replays."""
+    g, calls = graph_of(torch, fns, passes=2)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(REPS):
@@ -53,7 +46,7 @@ def graph_time(torch, fns):
         g.replay()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / PER)
+        times.append(s.elapsed_time(e) * 1e3 / calls)
     return statistics.median(times)
 
 
@@ -66,30 +59,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("decode_tiles: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
-
     from kernels import gemm_decode as D
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(), "SMs", sms, flush=True)
-    workspaces = {}
 
-    def launch(x, mask, w, out, tile):
+    def launch(x, mask, w, out, tile):  # the split rule is decode_split's (the C++ launcher's), the workspace unfilled
         bn, bk, warps, stages = tile
-        M, K = x.shape
-        N = w.shape[0]
-        n_split, k_split = D.decode_split(N, K, bn, bk, sms)
-        if n_split > 1 and (n_split, M, N) not in workspaces:  # allocated once, as the C++ launcher's (never filled)
-            workspaces[(n_split, M, N)] = torch.empty((n_split, M, N), device=x.device)
-        ws = workspaces[(n_split, M, N)] if n_split > 1 else out
-        m8 = mask.view(torch.uint8)
-        D.routed_decode_linear_kernel[(triton.cdiv(N, bn), n_split, 2)](
-            x, m8, w, w, out, out, out, out, ws, M, N, K, k_split, x.stride(0), w.stride(0), w.stride(0),
-            out.stride(0), HAS_BIAS=False, HAS_RESIDUAL=False, INPUT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=bn,
-            BLOCK_K=bk, GROUP_M=1, num_warps=warps, num_stages=stages)
-        if n_split > 1:
-            D.decode_reduce_kernel[(M, triton.cdiv(N, D.DECODE_REDUCE_COLS))](
-                ws, m8, out, out, out, out, M, N, n_split, out.stride(0), HAS_BIAS=False, HAS_RESIDUAL=False,
-                MAX_SPLITS=D.DECODE_MAX_SPLITS, BLOCK_N=D.DECODE_REDUCE_COLS)
+        D.launch_routed_decode_linear(x, mask, w, w, None, None, out, sms=sms, BM=16, BN=bn, BK=bk, num_warps=warps,
+                                      num_stages=stages, poison_ws=False)
 
     results = {}  # "M:shape" -> {"cublas": us, "BN,BK,warps,stages": us}
     for M, (name, (N, K)) in itertools.product([int(m) for m in args.ms.split(",")], SHAPES.items()):

@@ -26,22 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-
-def graph_of(torch, calls):
-    """A CUDA graph of three passes over `calls` (warmed up on a side stream first) and its number of calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(3):
-            for c in calls:
-                c()
-    return g, 3 * len(calls)
+from common import graph_of  # noqa: E402
 
 
 def interleaved(torch, variants, rounds: int, inner: int = 3, seed: int = 0):

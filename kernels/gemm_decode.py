@@ -124,10 +124,11 @@ def decode_split(N, K, BN, BK, sms):
 # Python launcher (JIT / TRITON_INTERPRET use; it also documents the grids for the C++ side)
 # ----------------------------------------------------------------------------------------------
 def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=None, sms=132, input_precision="tf32",
-                                BM=16, BN=64, BK=128, num_warps=4, num_stages=4, residual=None):
+                                BM=16, BN=64, BK=128, num_warps=4, num_stages=4, residual=None, poison_ws=True):
     """out [M, N] = x [M, K] through each row's expert (mask [M] bool: True = expert 1 = w1) (+ residual, a tensor of
     out's shape and strides); M <= BM. n_split: the number of reduction splits, at most DECODE_MAX_SPLITS (default:
-    decode_split's for `sms` SMs)."""
+    decode_split's for `sms` SMs). poison_ws: the split workspace filled with NaN first (tests: every entry must be
+    written); False leaves it unfilled, as the C++ launcher does (benchmarks/decode_tiles.py)."""
     M, K = x.shape
     N = w0.shape[0]
     assert M <= BM and mask.shape == (M, )
@@ -140,8 +141,11 @@ def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=N
     if not has_bias:
         bias0 = bias1 = out
     import torch
-    # the workspace poisoned: every entry of a row must be written by its expert's programs
-    ws = torch.full((n_split, M, N), float("nan"), device=x.device) if n_split > 1 else out
+    ws = out
+    if n_split > 1:
+        ws = torch.empty((n_split, M, N), device=x.device)
+        if poison_ws:
+            ws.fill_(float("nan"))  # every entry of a row must be written by its expert's programs
     m8 = mask.view(torch.uint8)
     assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
     res = out if residual is None else residual
