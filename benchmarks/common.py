@@ -208,7 +208,6 @@ def bench_pair(
     return times
 
 
-@contextlib.contextmanager
 def graph_of(torch, calls, passes: int = 3):
     """A CUDA graph of `passes` passes over `calls` (warmed up on a side stream first) and its number of calls:
     replayed between two events, the kernels' time without the host's launch cost."""
@@ -227,6 +226,7 @@ def graph_of(torch, calls, passes: int = 3):
     return g, passes * len(calls)
 
 
+@contextlib.contextmanager
 def programmatic_launch(enabled: bool):
     """fused_ops' programmatic dependent launch on or off inside the block (A/B rows of the routed benchmarks)."""
     import fused_ops
