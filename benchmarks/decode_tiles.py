@@ -2,7 +2,7 @@
 """Tiles of the decode GEMM (kernels/gemm_decode.py) over the matrix's projections, against cuBLAS: the measurement
 behind sm_90's routed_decode_linear_kernel classes.
 
-    python3 benchmarks/decode_tiles.py [--ms 1,16] [--out DIR]
+    python3 benchmarks/decode_tiles.py [--ms 1,16] [--out DIR] [--splits 1,2,4,8]
 
 bf16, one expert's rows (every token text, so the work is F.linear's on that expert's weight); the Triton JIT kernel
 (needs triton and a GPU; no extension build), with the reduction split by the shipped rule (decode_split) for each
@@ -10,6 +10,8 @@ tile. Kernel times: a CUDA graph of 16 calls cycling through 8 copies of the wei
 median time per call; cuBLAS (`torch.matmul` into a preallocated output) the same way. Prints each tile's time over
 cuBLAS's per cell, the geometric mean over cells against the shipped general tile, and writes decode_tiles.json.
 Every tile's output is checked against float64 first (relative error < 1e-2). No targets. Exit 2 without CUDA.
+--splits: instead of every tile with the rule's split, the tiles of SPLIT_TILES with each given reduction split forced
+(and the rule's, "rule"): the measurement behind decode_split.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ SHAPES = {"llama3-8b.qkv": (6144, 4096), "llama3-8b.o": (4096, 4096), "70b-tp8.q
 TILES = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256) for w in (2, 4) for st in (3, 4)] + [
     (128, 128, 4, 3), (64, 64, 4, 3), (64, 512, 4, 3)]
 GENERAL = (32, 256, 4, 4)  # sm90.json's general class
+SPLIT_TILES = [GENERAL, (16, 256, 4, 4), (32, 128, 4, 4)]  # --splits: the general tile, narrower and shorter ones
 COPIES, REPS = 8, 30
 
 
@@ -54,6 +57,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ms", default="1,16")
     p.add_argument("--out", default=None)
+    p.add_argument("--splits", default=None, help="comma list of forced reduction splits (SPLIT_TILES only)")
     args = p.parse_args()
     import torch
     if not torch.cuda.is_available():
@@ -63,10 +67,14 @@ def main() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(), "SMs", sms, flush=True)
 
-    def launch(x, mask, w, out, tile):  # the split rule is decode_split's (the C++ launcher's), the workspace unfilled
-        bn, bk, warps, stages = tile
+    def launch(x, mask, w, out, tile):  # the split: decode_split's (the C++ launcher's) or forced; workspace unfilled
+        bn, bk, warps, stages = tile[:4]
         D.launch_routed_decode_linear(x, mask, w, w, None, None, out, sms=sms, BM=16, BN=bn, BK=bk, num_warps=warps,
-                                      num_stages=stages, poison_ws=False)
+                                      num_stages=stages, poison_ws=False, n_split=tile[4] if len(tile) > 4 else None)
+
+    tiles = TILES
+    if args.splits:
+        tiles = [t for t in SPLIT_TILES] + [t + (s, ) for t in SPLIT_TILES for s in map(int, args.splits.split(","))]
 
     results = {}  # "M:shape" -> {"cublas": us, "BN,BK,warps,stages": us}
     for M, (name, (N, K)) in itertools.product([int(m) for m in args.ms.split(",")], SHAPES.items()):
@@ -78,7 +86,9 @@ def main() -> int:
         ref = x.double() @ ws[0].double().t()
         row = {"cublas": graph_time(torch, [lambda i=i: torch.matmul(x, ws[i].t(), out=outs[i])
                                             for i in range(COPIES)])}
-        for tile in TILES:
+        for tile in tiles:
+            if len(tile) > 4 and math.ceil(K / (math.ceil(K / tile[4] / tile[1]) * tile[1])) != tile[4]:
+                continue  # that many splits of whole K blocks do not exist (some would lie past K)
             try:
                 launch(x, mask, ws[0], outs[0], tile)
                 torch.cuda.synchronize()
@@ -97,8 +107,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     tiles = [k for k in next(iter(results.values())) if k != "cublas"]
     general = ",".join(map(str, GENERAL))
-    print("\ntile (BN,BK,warps,stages) time / cuBLAS per cell; last two columns: geometric mean and worst of time / "
-          "the general tile's")
+    print("\ntile (BN,BK,warps,stages[,forced split]) time / cuBLAS per cell; last two columns: geometric mean and "
+          "worst of time / the general tile's")
     print("cell".ljust(22), " ".join(t.ljust(10) for t in tiles))
     for cell, row in results.items():
         print(cell.ljust(22), " ".join(f"{row[t] / row['cublas']:.3f}".ljust(10) if t in row else "-".ljust(10)
