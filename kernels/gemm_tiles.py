@@ -196,6 +196,7 @@ def _sk_share(pid, nprog, num_tiles, K, BLOCK_K: tl.constexpr, MAX_PARTS: tl.con
     # to a multiple of parts (the steps past K load zero-filled boxes)
     parts = tl.minimum(tl.minimum(nprog // tl.maximum(shared, 1), MAX_PARTS), kit)
     split = (shared > 0) & (parts >= 2)
+    parts = tl.maximum(parts, 1)  # 0 where more tiles are shared than programs (ROUNDS = 2): no division by it
     kit = tl.where(split, tl.cdiv(kit, parts) * parts, kit)
     per = tl.where(split, kit // parts, per)
     total = shared * kit

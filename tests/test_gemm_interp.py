@@ -26,6 +26,10 @@ from kernels.gemm_tma import (launch_routed_linear_tma, launch_routed_swiglu_pai
 from kernels.grad_weight import launch_routed_grad_weight, launch_routed_grad_weight_tma  # noqa: E402
 from kernels.routing import one_block_size, padded_rows, route, route_shared, route_single, shared_layout  # noqa: E402
 
+# A numpy warning under the interpreter is a kernel computing something it should not (a division by zero in a lane
+# that a tl.where later discards is undefined on the GPU): an error here.
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
 ALIGN = 16
 T = dict(BM=16, BN=16, BK=16)
 DTYPES = [torch.float32, torch.float16]
