@@ -10,8 +10,8 @@ tile. Kernel times: a CUDA graph of 16 calls cycling through 8 copies of the wei
 median time per call; cuBLAS (`torch.matmul` into a preallocated output) the same way. Prints each tile's time over
 cuBLAS's per cell, the geometric mean over cells against the shipped general tile, and writes decode_tiles.json.
 Every tile's output is checked against float64 first (relative error < 1e-2). No targets. Exit 2 without CUDA.
---splits: instead of every tile with the rule's split, the tiles of SPLIT_TILES with each given reduction split forced
-(and the rule's, "rule"): the measurement behind decode_split.
+--splits: instead of every tile with the rule's split, the tiles of SPLIT_TILES with the rule's split and with each
+given split forced (named "BN,BK,warps,stages,splits"): the measurement behind decode_split.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def main() -> int:
 
     tiles = TILES
     if args.splits:
-        tiles = [t for t in SPLIT_TILES] + [t + (s, ) for t in SPLIT_TILES for s in map(int, args.splits.split(","))]
+        tiles = list(SPLIT_TILES) + [t + (s, ) for t in SPLIT_TILES for s in map(int, args.splits.split(","))]
 
     results = {}  # "M:shape" -> {"cublas": us, "BN,BK,warps,stages": us}
     for M, (name, (N, K)) in itertools.product([int(m) for m in args.ms.split(",")], SHAPES.items()):

@@ -179,14 +179,14 @@ def _sk_share(pid, nprog, num_tiles, K, BLOCK_K: tl.constexpr, MAX_PARTS: tl.con
     [lo, hi) in steps counted from tile dp. A share is at least kit / MAX_PARTS steps long, so that no tile is cut
     into more than about MAX_PARTS pieces (each piece costs its program a pipeline start and a [BM, BN] fp32 partial
     sum written and read again): with few tiles left, programs past the last share idle. Where the shared tiles are at
-    most half the programs, each is cut into parts = min(nprog // tiles, MAX_PARTS, kit) equal pieces instead (kit rounded
-    up to a multiple of parts: the last piece's extra steps read zero-filled boxes), so a tile has exactly `parts`
-    pieces on consecutive programs: shares of the exact average length cut most tiles in three, at unequal points
-    (H100, two A/B runs, time / the contiguous shares: 0.89-0.95 at 1024-4096 tokens of Qwen2.5-7B's and CogVLM2's
-    QKV forward, Llama-3-70B-TP8's grad-input and Llama-3-8B's QKV on one expert; 0.993 over 40 stream-K cells).
-    Nothing is shared (dp = num_tiles) where the last round is more than half full or empty: cutting its tiles would
-    cost more than the idle programs it spares (126 tiles of Qwen2.5-7B's down projection at 1024 tokens on 132 SMs:
-    1.14x slower shared)."""
+    most half the programs, each is cut into parts = min(nprog // tiles, MAX_PARTS, kit) equal pieces instead (kit
+    rounded up to a multiple of parts: the last piece's extra steps read zero-filled boxes), so a tile has exactly
+    `parts` pieces on consecutive programs: shares of the exact average length cut most tiles in three, at unequal
+    points (H100, two A/B runs, time / the contiguous shares: 0.89-0.95 at 1024-4096 tokens of Qwen2.5-7B's and
+    CogVLM2's QKV forward, Llama-3-70B-TP8's grad-input and Llama-3-8B's QKV on one expert; 0.993 over 40 stream-K
+    cells). Nothing is shared (dp = num_tiles) where the last round is more than half full or empty: cutting its tiles
+    would cost more than the idle programs it spares (126 tiles of Qwen2.5-7B's down projection at 1024 tokens on 132
+    SMs: 1.14x slower shared)."""
     r = num_tiles % nprog
     dp = tl.where((r > 0) & (2 * r <= nprog), tl.maximum(num_tiles // nprog - (ROUNDS - 1), 0) * nprog, num_tiles)
     kit = tl.cdiv(K, BLOCK_K)
