@@ -87,7 +87,7 @@ def main() -> int:
         row = {"cublas": graph_time(torch, [lambda i=i: torch.matmul(x, ws[i].t(), out=outs[i])
                                             for i in range(COPIES)])}
         for tile in tiles:
-            if len(tile) > 4 and math.ceil(K / (math.ceil(K / tile[4] / tile[1]) * tile[1])) != tile[4]:
+            if len(tile) > 4 and D.split_k(K, tile[4], tile[1])[0] != tile[4]:
                 continue  # that many splits of whole K blocks do not exist (some would lie past K)
             try:
                 launch(x, mask, ws[0], outs[0], tile)

@@ -106,6 +106,13 @@ DECODE_REDUCE_COLS = 64
 DECODE_MAX_SPLITS = 32
 
 
+def split_k(K, n_split, BK):
+    """(splits, k_split) of K cut into n_split splits of whole BK blocks: k_split, a multiple of BK, and how many
+    splits hold K steps (fewer than n_split where the blocks do not divide evenly)."""
+    k_split = max(triton.cdiv(triton.cdiv(K, BK), n_split) * BK, BK)
+    return (triton.cdiv(K, k_split) if K > 0 else 1), k_split
+
+
 def decode_split(N, K, BN, BK, sms):
     """(n_split, k_split) for N output columns and reduction length K (csrc/ops/routed_gemm.cpp decode_split computes
     the same). One split where one expert's column tiles reach half the SMs: its programs then read the weights about
@@ -116,8 +123,7 @@ def decode_split(N, K, BN, BK, sms):
     k_blocks = triton.cdiv(K, BK)
     n_split = 1 if 2 * tiles_n >= sms else max(1, min(triton.cdiv(2 * sms, tiles_n), k_blocks // 4,
                                                        DECODE_MAX_SPLITS))
-    k_split = triton.cdiv(k_blocks, n_split) * BK
-    return triton.cdiv(K, k_split) if K > 0 else 1, max(k_split, BK)
+    return split_k(K, n_split, BK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,7 +142,7 @@ def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=N
         n_split, k_split = decode_split(N, K, BN, BK, sms)
     else:
         assert 1 <= n_split <= DECODE_MAX_SPLITS
-        k_split = max(triton.cdiv(triton.cdiv(K, n_split), BK) * BK, BK)
+        k_split = split_k(K, n_split, BK)[1]  # every split launched, those past K write zeros
     has_bias = bias0 is not None
     if not has_bias:
         bias0 = bias1 = out

@@ -26,6 +26,12 @@ def tail_of(cfg):
     return split, stream_k
 
 
+def block_of(cfg):
+    """(BLOCK_M, BLOCK_N) of a config string such as fused_ops.kernel_config returns ("128x256x64_g8_w8_s3_sk")."""
+    bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])
+    return bm, bn
+
+
 def split_counts(kernel, M, K, cc, sms, wt=None):
     """(c0, c1, N) for the persistent routed GEMM `kernel` at M rows and reduction K (wt: its orientation, for
     routed_linear_tma_kernel), such that the table's config for that GEMM (its shape class included) shares out a last
@@ -42,7 +48,7 @@ def split_counts(kernel, M, K, cc, sms, wt=None):
         split, stream_k = tail_of(cfg)
         if not (stream_k or split):
             continue
-        bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])
+        bm, bn = block_of(cfg)
         c0 = M // 2 - 10
         c1 = M - c0
         if N % bn == 0 or c0 % bm == 0 or c1 % bm == 0:

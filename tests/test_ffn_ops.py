@@ -20,7 +20,7 @@ from torch import nn
 
 import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
 from fused_ops.ffn import DualExpertSwiGLU, FusedSwiGLU, ffn
-from device_helpers import poison_allocator, split_counts, sync
+from device_helpers import block_of, poison_allocator, split_counts, sync
 from reference_routed import MASK_KINDS, ffn_reference, make_mask, reference_grads, rel_err, strided_view
 
 OPS = torch.ops.fused
@@ -603,7 +603,7 @@ def test_gate_up_split_last_round(gpu_device):
     cfg = fused_ops.kernel_config("routed_swiglu_pair_tma_kernel", "half", 1024, major * 10 + minor)
     if cfg == "off" or major != 9:
         pytest.skip("the paired gate/up GEMM runs on sm_90 only")
-    bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])
+    bm, bn = block_of(cfg)
     H, I = 256, 2816  # noqa: E741
     sms = torch.cuda.get_device_properties(gpu_device).multi_processor_count
     col_tiles = -(-I // bn)

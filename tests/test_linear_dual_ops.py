@@ -14,7 +14,7 @@ import torch
 
 import fused_ops  # also loads the library that registers torch.ops.fused.*
 from fused_ops.linear_dual import DualLinear, linear_dual
-from device_helpers import poison_allocator, split_counts, sync, tail_of
+from device_helpers import block_of, poison_allocator, split_counts, sync, tail_of
 from reference_routed import MASK_KINDS, linear_dual_reference, make_mask, reference_grads, rel_err, strided_view
 
 OPS = torch.ops.fused
@@ -517,9 +517,9 @@ def _stream_k_workspace(device, M, N, K):
     cfg = fused_ops.kernel_config("routed_linear_gather_tma_kernel", "half", M, 90, n=N, k=K)
     if cfg == "off":
         cfg = fused_ops.kernel_config("routed_linear_tma_kernel", "half", M, 90, n=N, k=K, w_transposed=False)
-    if "_sk" not in cfg:
+    if not tail_of(cfg)[1]:
         return 0
-    bm, bn = (int(v) for v in cfg.split("_")[0].split("x")[:2])
+    bm, bn = block_of(cfg)
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count * bm * bn * 4
 
 

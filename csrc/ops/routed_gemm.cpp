@@ -300,11 +300,11 @@ at::Tensor route_shared(const at::Tensor& mask) {
   // that the op's result is a function of the mask alone, equal to the CPU's. The route op is on every decode step:
   // up to kOneBlock rows one launch writes the whole buffer; past it a driver memset and the two-kernel routings.
   at::Tensor buffer = at::empty({shared_routing_size(M)}, m.options().dtype(at::kInt));
-  if (one_block_size(M) > 0) {  // a decode step or a prompt of up to kOneBlock tokens: one launch writes it all
+  if (const int64_t block = one_block_size(M); block > 0) {  // up to kOneBlock tokens: one launch writes it all
     KernelArgs a;
     a.ptr(M > 0 ? m.data_ptr() : buffer.data_ptr()).ptr(buffer.data_ptr()).i32(M).i32(aligned_rows(M))
         .i32(unaligned_section(M));
-    launch_on_current_stream("routing_shared_kernel", routing_shared_key(one_block_size(M)), a, grid(1), buffer);
+    launch_on_current_stream("routing_shared_kernel", routing_shared_key(block), a, grid(1), buffer);
     return buffer;
   }
   fill32_on_current_stream(buffer, 0xFFFFFFFFu);
