@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import fused_ops  # noqa: E402,F401  (registers torch.ops.fused.*)
+from reference_routed import rel_err  # noqa: E402
 
 OPS = torch.ops.fused
 F64 = torch.float64
@@ -350,13 +351,6 @@ _call = call  # the CPU path's own calls (tests replace `call` to plant device f
 
 # ------------------------------------------------------------------------------------------------------------------
 # checking
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.detach().to("cpu", F64), ref.detach().to("cpu", F64)
-    den = ref.norm().item()
-    num = (out - ref).norm().item()
-    return num / den if den > 0 else num
 
 
 def expected_dtype(c, name):

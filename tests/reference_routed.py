@@ -19,8 +19,8 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear_dual_reference", "ffn_reference", "reference_grads", "rel_err", "expert_rows", "make_mask",
-           "MASK_KINDS", "strided_view"]
+__all__ = ["linear_dual_reference", "ffn_reference", "reference_grads", "rel_err", "check_out", "check_grad",
+           "expert_rows", "make_mask", "MASK_KINDS", "strided_view"]
 
 #: token routings the tests cover (see make_mask)
 MASK_KINDS = ("random", "all_true", "all_false", "span", "vision90")
@@ -135,6 +135,29 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     num = (out - ref).norm().item()
     den = ref.norm().item()
     return num / den if den > 0 else num
+
+
+def check_out(out, ref, shape, dtype, device, tol, what="out"):
+    """Metadata (shape, dtype, device, contiguous), no NaN/inf, relative error <= tol against the float64 ref."""
+    assert tuple(out.shape) == tuple(shape), f"{what}: shape {tuple(out.shape)} != {tuple(shape)}"
+    assert out.dtype == dtype and out.device == torch.device(device), f"{what}: {out.dtype} on {out.device}"
+    assert out.is_contiguous(), f"{what} not contiguous: strides {out.stride()}"
+    assert bool(torch.isfinite(out).all()), f"{what} has NaN/inf (unwritten elements?)"
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
+
+
+def check_grad(got, ref, dtype, tol, what):
+    """A gradient against its float64 reference; exactly zero where the reference is (an expert with no tokens)."""
+    assert got is not None, f"{what}: no gradient"
+    assert tuple(got.shape) == tuple(ref.shape), f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert got.dtype == dtype, f"{what}: dtype {got.dtype}"
+    assert bool(torch.isfinite(got).all()), f"{what} has NaN/inf"
+    if ref.numel() and not bool(ref.any()):
+        assert not bool(got.any()), f"{what}: must be exactly zero (no token used it), max |g| = {got.abs().max()}"
+        return
+    err = rel_err(got, ref)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from torch import nn
 import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
 from fused_ops.ffn import DualExpertSwiGLU, FusedSwiGLU, ffn
 from device_helpers import block_of, poison_allocator, split_counts, sync
-from reference_routed import MASK_KINDS, ffn_reference, make_mask, reference_grads, rel_err, strided_view
+from reference_routed import (MASK_KINDS, check_grad, check_out, ffn_reference, make_mask, reference_grads, rel_err,
+                              strided_view)
 
 OPS = torch.ops.fused
 ERR = (RuntimeError, ValueError)
@@ -60,31 +61,6 @@ def make_weights(H, I, dtype, device, dual=True):  # noqa: E741
 def op_args(w, mask):
     """Positional arguments after x for OPS.ffn / ffn_reference: (w1, w3, w2, mask, u1, u3, u2)."""
     return (w["w1"], w["w3"], w["w2"], mask, w.get("u1"), w.get("u3"), w.get("u2"))
-
-
-
-
-def check_out(out, ref, shape, dtype, device, tol, what="out"):
-    """Metadata (shape, dtype, device, contiguous), no NaN/inf, relative error <= tol against the float64 ref."""
-    assert tuple(out.shape) == tuple(shape), f"{what}: shape {tuple(out.shape)} != {tuple(shape)}"
-    assert out.dtype == dtype and out.device == torch.device(device), f"{what}: {out.dtype} on {out.device}"
-    assert out.is_contiguous(), f"{what} not contiguous: strides {out.stride()}"
-    assert bool(torch.isfinite(out).all()), f"{what} has NaN/inf (unwritten elements?)"
-    err = rel_err(out, ref)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
-
-
-def check_grad(got, ref, dtype, tol, what):
-    """A gradient against its float64 reference; exactly zero where the reference is (an expert with no tokens)."""
-    assert got is not None, f"{what}: no gradient"
-    assert tuple(got.shape) == tuple(ref.shape), f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert got.dtype == dtype, f"{what}: dtype {got.dtype}"
-    assert bool(torch.isfinite(got).all()), f"{what} has NaN/inf"
-    if ref.numel() and not bool(ref.any()):
-        assert not bool(got.any()), f"{what}: must be exactly zero (no token used it), max |g| = {got.abs().max()}"
-        return
-    err = rel_err(got, ref)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
 
 
 def run_and_check_grads(x, w, mask, tol, allow_tf32=False, g=None, recompute=False):

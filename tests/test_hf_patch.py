@@ -24,6 +24,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 import fused_ops  # noqa: E402,F401 (registers torch.ops.fused.*)
 from fused_ops import hf  # noqa: E402
+from reference_routed import rel_err  # noqa: E402
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192)
@@ -60,10 +61,6 @@ class FusedOpCounter(TorchDispatchMode):
             op = name.split(".", 1)[1]
             self.calls["ffn" if op == "ffn_forward" else op] += 1
         return func(*args, **(kwargs or {}))
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 def patched_pair(dtype=torch.float64, **overrides):

@@ -15,7 +15,8 @@ import torch
 import fused_ops  # also loads the library that registers torch.ops.fused.*
 from fused_ops.linear_dual import DualLinear, linear_dual
 from device_helpers import block_of, poison_allocator, split_counts, sync, tail_of
-from reference_routed import MASK_KINDS, linear_dual_reference, make_mask, reference_grads, rel_err, strided_view
+from reference_routed import (MASK_KINDS, check_grad, check_out, linear_dual_reference, make_mask, reference_grads,
+                              rel_err, strided_view)
 
 OPS = torch.ops.fused
 ERR = (RuntimeError, ValueError)
@@ -47,31 +48,6 @@ def make_weights(N, K, dtype, device, bias="both"):
     bv = (torch.randn(N, device=device) * 0.5).to(dtype) if bias in ("both", "v_only") else None
     bt = (torch.randn(N, device=device) * 0.5).to(dtype) if bias in ("both", "t_only") else None
     return wv, wt, bv, bt
-
-
-
-
-def check_out(out, ref, shape, dtype, device, tol, what="out"):
-    """Metadata (shape, dtype, device, contiguous), no NaN/inf, relative error <= tol against the float64 ref."""
-    assert tuple(out.shape) == tuple(shape), f"{what}: shape {tuple(out.shape)} != {tuple(shape)}"
-    assert out.dtype == dtype and out.device == torch.device(device), f"{what}: {out.dtype} on {out.device}"
-    assert out.is_contiguous(), f"{what} not contiguous: strides {out.stride()}"
-    assert bool(torch.isfinite(out).all()), f"{what} has NaN/inf (unwritten elements?)"
-    err = rel_err(out, ref)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
-
-
-def check_grad(got, ref, dtype, tol, what):
-    """A gradient against its float64 reference; exactly zero where the reference is (an expert with no tokens)."""
-    assert got is not None, f"{what}: no gradient"
-    assert tuple(got.shape) == tuple(ref.shape), f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert got.dtype == dtype, f"{what}: dtype {got.dtype}"
-    assert bool(torch.isfinite(got).all()), f"{what} has NaN/inf"
-    if ref.numel() and not bool(ref.any()):
-        assert not bool(got.any()), f"{what}: must be exactly zero (no token used it), max |g| = {got.abs().max()}"
-        return
-    err = rel_err(got, ref)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
 
 
 def run_and_check_grads(x, mask, wv, wt, bv, bt, tol, g=None, allow_tf32=False):

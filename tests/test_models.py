@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fused_ops.models import (COGVLM2_19B, LLAMA3_8B, CogVLMConfig, CogVLMReference, FusedCogVLM, GroupedMMCogVLM,
                               KVCache, convert_state_dict, get_expert_mask)
+from reference_routed import rel_err
 
 F64 = torch.float64
 SMALL = dict(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=16, layers=2, rope_theta=10000.0)
@@ -21,10 +22,6 @@ SINGLE = CogVLMConfig(**SMALL, vision_expert=False, qkv_bias=True, dtype=F64)
 ODD = CogVLMConfig(hidden=40, intermediate=56, heads=3, kv_heads=3, head_dim=8, layers=1, qkv_bias=False,
                    final_norm=False, dtype=F64)
 CONFIGS = {"dual": DUAL, "single": SINGLE, "odd": ODD}
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def randomize_(model, seed=0):

@@ -14,11 +14,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from reference import rope_reference  # noqa: E402
+from reference_routed import rel_err  # noqa: E402
 from rope_interp_launch import rope_launch  # noqa: E402
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def poison(x):

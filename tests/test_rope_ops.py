@@ -19,6 +19,7 @@ import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fuse
 from fused_ops.rope import RotaryPositionEmbedding, apply_rotary_pos_emb, apply_rotary_pos_emb_qk
 from device_helpers import poison_allocator, sync
 from reference import rope_reference
+from reference_routed import rel_err
 
 OPS = torch.ops.fused
 ERR = (RuntimeError, ValueError)
@@ -119,13 +120,6 @@ class Case:
         return rope_reference(x, freqs, self.fmt, self.interleaved, self.cu, self.start, self.cp_size, self.cp_rank,
                               backward=backward)
 
-
-
-def rel_err(out, ref):
-    out = out.double()
-    den = ref.norm().item()
-    num = (out - ref).norm().item()
-    return num / den if den > 0 else num
 
 
 def check_out(out, x, ref, d2, what="out"):
