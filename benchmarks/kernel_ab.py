@@ -10,7 +10,8 @@ the A/B behind a kernel change (a stream-K rule, a fixup, an epilogue) before an
 `kernels_base` (its `kernels.` imports renamed), so both trees' Triton JIT kernels run in one process; needs triton
 and a Hopper GPU, no extension build. Cells: linear_dual's forward (routed_linear_gather_tma_kernel, x gathered inside: "fwd") and its
 grad-input GEMM (routed_linear_tma_kernel on the gathered dY with W transposed: "gi", the gate/up projections'
-included) at the matrix models' projections (benchmarks/bench_matrix.py MODELS), each mask and token count. Both
+included) at the matrix models' projections (benchmarks/bench_matrix.py MODELS), each mask and token count; a cell
+whose table entry is "off" (the forward then runs the gather copy and routed_linear_tma_kernel) is left out. Both
 trees take this tree's sm_90 table config for the cell; --force overrides keys of this tree's config only. Every
 variant's output is checked against float64 first (relative error < 1e-2; a wrong one is reported and counted).
 Timing: benchmarks/gemm_configs.py `interleaved` (each variant a CUDA graph of three passes over three input sets,
