@@ -8,16 +8,16 @@ the A/B behind a kernel change (a stream-K rule, a fixup, an epilogue) before an
 
 (On the lent GPU, name ab_base in the device tool's `carry`.) The base tree's kernels/ is imported as the package
 `kernels_base` (its `kernels.` imports renamed), so both trees' Triton JIT kernels run in one process; needs triton
-and a Hopper GPU, no extension build. Cells: linear_dual's forward (routed_linear_gather_tma_kernel, x gathered inside: "fwd") and its
-grad-input GEMM (routed_linear_tma_kernel on the gathered dY with W transposed: "gi", the gate/up projections'
-included) at the matrix models' projections (benchmarks/bench_matrix.py MODELS), each mask and token count; a cell
-whose table entry is "off" (the forward then runs the gather copy and routed_linear_tma_kernel) is left out. Both
-trees take this tree's sm_90 table config for the cell; --force overrides keys of this tree's config only. Every
-variant's output is checked against float64 first (relative error < 1e-2; a wrong one is reported and counted).
-Timing: benchmarks/gemm_configs.py `interleaved` (each variant a CUDA graph of three passes over three input sets,
-rounds in a fresh random order). Prints per cell the time over cuBLAS (one GEMM on one expert's weight over every
-row) and new / base, per path and M the geometric means; writes kernel_ab.json. No targets. Exit 2 without CUDA or
-with no base kernels, 1 if a variant was wrong.
+and a Hopper GPU, no extension build. Cells: linear_dual's forward (routed_linear_gather_tma_kernel, x gathered
+inside: "fwd") and its grad-input GEMM (routed_linear_tma_kernel on the gathered dY with W transposed: "gi", the
+gate/up projections' included) at the matrix models' projections (benchmarks/bench_matrix.py MODELS), each mask and
+token count; a cell whose table entry is "off" (the forward then runs the gather copy and routed_linear_tma_kernel)
+is left out. Both trees take this tree's sm_90 table config for the cell; --force overrides keys of this tree's
+config only. Every variant's output is checked against float64 first (relative error < 1e-2; a wrong one is reported
+and counted). Timing: benchmarks/gemm_configs.py `interleaved` (each variant a CUDA graph of three passes over three
+input sets, rounds in a fresh random order). Prints per cell the time over cuBLAS (one GEMM on one expert's weight
+over every row) and new / base, per path and M the geometric means; writes kernel_ab.json. No targets. Exit 2
+without CUDA or with no base kernels, 1 if a variant was wrong.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def load_base(base_dir: str, into: str):
     if into not in sys.path:
         sys.path.insert(0, into)
     importlib.invalidate_caches()
-    return (importlib.import_module(f"{BASE_PACKAGE}.gemm_gather_tma"), importlib.import_module(f"{BASE_PACKAGE}.gemm_tma"))
+    return tuple(importlib.import_module(f"{BASE_PACKAGE}.{m}") for m in ("gemm_gather_tma", "gemm_tma"))
 
 
 def cells(models, ms, masks, paths):
@@ -177,7 +177,8 @@ def main(argv=None) -> int:
         for M in sorted({r["M"] for r in rows}):
             sel = [r for r in rows if r["path"] == path and r["M"] == M]
             if sel:
-                gm = lambda k: math.exp(sum(math.log(r["us"][k] / r["us"]["cublas"]) for r in sel) / len(sel))  # noqa: E731
+                def gm(k, sel=sel):
+                    return math.exp(sum(math.log(r["us"][k] / r["us"]["cublas"]) for r in sel) / len(sel))
                 print(f"{path} M={M}: {len(sel)} cells, over cuBLAS base {gm('base'):.3f} new {gm('new'):.3f}, "
                       f"new/base {gm('new') / gm('base'):.3f}")
     os.makedirs(args.out, exist_ok=True)
