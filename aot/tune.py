@@ -421,9 +421,11 @@ def projections(op, name):
         H, I = MODELS[name]
         return {"linear": [(H, H), (H, I)], "linear_gather": [(H, H), (H, I)], "swiglu": [(I, H)],
                 "swiglu_gather": [(I, H)], "swiglu_pair": [(I, H)], "grad_weight": [(H, H), (I, H)]}[op]
+    from benchmarks.bench_matrix import attention_projections
     c = matrix_models()[name]
-    H, I, qkv, o = c["H"], c["I"], (c["hq"] + 2 * c["hk"]) * c["d"], c["hq"] * c["d"]
-    attn = [(qkv, H), (H, o)]  # QKV, the attention output (linear_dual's forward: the gather-inside design)
+    H, I = c["H"], c["I"]
+    # QKV, the attention output (linear_dual's forward: the gather-inside design)
+    attn = [(n, k) for _, n, k in attention_projections(c)]
     return {"linear": attn + [(H, I)],  # + the MLP's down projection (from an expert-ordered h)
             "linear_gather": attn, "swiglu": [(I, H)], "swiglu_gather": [(I, H)], "swiglu_pair": [(I, H)],
             "grad_weight": attn + [(I, H), (H, I)]}[op]

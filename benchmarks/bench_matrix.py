@@ -62,11 +62,17 @@ OPS = ("linear_fwd", "linear_bwd", "ffn_fwd", "ffn_bwd", "rope_fwd", "rope_bwd")
 ERR_TOL = 2e-2
 
 
+def attention_projections(m):
+    """(label, N, K) of a model's attention projections (m: a MODELS entry): QKV and the attention output, N output
+    columns from a reduction of K."""
+    return [("qkv", (m["hq"] + 2 * m["hk"]) * m["d"], m["H"]), ("o", m["H"], m["hq"] * m["d"])]
+
+
 def linear_shapes():
     """(label, K, N) of every distinct projection: QKV and the attention output of each model."""
     seen, out = {}, []
     for name, m in MODELS.items():
-        for proj, k, n in (("qkv", m["H"], (m["hq"] + 2 * m["hk"]) * m["d"]), ("o", m["hq"] * m["d"], m["H"])):
+        for proj, n, k in attention_projections(m):
             if (k, n) in seen:
                 continue
             seen[(k, n)] = f"{name}.{proj}"

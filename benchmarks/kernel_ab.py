@@ -33,6 +33,8 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
+from bench_matrix import MODELS, attention_projections, make_mask  # noqa: E402
+
 BASE_PACKAGE = "kernels_base"
 
 
@@ -65,8 +67,7 @@ def cells(models, ms, masks, paths):
     for M in ms:
         for path in paths:
             for name, c in models.items():
-                H, qkv, o = c["H"], (c["hq"] + 2 * c["hk"]) * c["d"], c["hq"] * c["d"]
-                projs = [("qkv", qkv, H), ("o", H, o)] + ([("gate_up", c["I"], H)] if path == "gi" else [])
+                projs = attention_projections(c) + ([("gate_up", c["I"], c["H"])] if path == "gi" else [])
                 for proj, n_out, k_in in projs:
                     N, K = (k_in, n_out) if path == "gi" else (n_out, k_in)
                     out += [(path, name, proj, M, N, K, mk) for mk in masks]
@@ -95,7 +96,6 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
-    from bench_matrix import MODELS, make_mask
     models = {k: v for k, v in MODELS.items() if not args.models or k in args.models.split(",")}
     todo = cells(models, [int(v) for v in args.ms.split(",")], args.masks.split(","), args.paths.split(","))
     if args.dry_run:
