@@ -104,11 +104,12 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
             acc = _gather_mainloop(a_ptr, w_desc, perm_ptr, row0, row_hi, _w_index(e, w_map), n0, K, stride_am, k_lo,
                                    k_hi, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
             _sk_finish(acc, ws_ptr, flag_ptr, pid, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr,
-                       perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, True, BLOCK_M, BLOCK_N)
+                       perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, True, STREAM_K, BLOCK_M,
+                       BLOCK_N)
             it -= k_hi - k_lo
         _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
                   bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, HAS_BIAS, HAS_RESIDUAL, True,
-                  SK_WAIT, BLOCK_M, BLOCK_N, GROUP_M)
+                  SK_WAIT, STREAM_K, BLOCK_M, BLOCK_N, GROUP_M)
 
 
 @triton.jit

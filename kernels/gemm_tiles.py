@@ -224,25 +224,30 @@ def _sk_holders(tile, kit, per):
 
 
 @triton.jit
-def _sk_slot(q, tile, kit, per):
-    """The workspace slot of program q's piece of tile `tile`: 2q for the piece in its share's first tile, 2q + 1 for
-    the one in its last (a share cuts at most two tiles: at most one whole tile lies between them)."""
+def _sk_slot(q, tile, kit, per, ROUNDS: tl.constexpr):
+    """The workspace slot of program q's piece of tile `tile`. ROUNDS = 1: q (at most half a round is shared, in
+    per-tile pieces: a share lies inside one tile, _sk_share). ROUNDS = 2: 2q for the piece in its share's first tile,
+    2q + 1 for the one in its last (a share cuts at most two tiles: at most one whole tile lies between them). So the
+    workspace holds ROUNDS * nprog slots."""
+    if ROUNDS == 1:
+        return q
     return 2 * q + (tile != (q * per) // kit).to(tl.int32)
 
 
 @triton.jit
 def _sk_offsets(slot, c0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
     """Element offsets of columns [c0, c0 + WIDTH) of workspace slot `slot`, a [BLOCK_M, BLOCK_N] fp32 tile (the
-    workspace holds 2 nprog slots: _sk_slot)."""
-    return (slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + c0
+    workspace holds ROUNDS * nprog slots: _sk_slot)."""
+    return (tl.cast(slot, tl.int64) * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + c0
             + tl.arange(0, WIDTH)[None, :])
 
 
 @triton.jit
-def _sk_publish(acc, ws_ptr, flag_ptr, pid, tile, kit, per, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sk_publish(acc, ws_ptr, flag_ptr, pid, tile, kit, per, ROUNDS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """A piece short of its tile: its fp32 partial sum into its slot, then the tile's arrival count flag[q0] + 1
     (release, after a CTA barrier: every thread's stores are visible before the count)."""
-    tl.store(ws_ptr + _sk_offsets(_sk_slot(pid, tile, kit, per), 0, BLOCK_M, BLOCK_N, BLOCK_N), acc)
+    tl.store(ws_ptr + _sk_offsets(_sk_slot(pid, tile, kit, per, ROUNDS), 0, BLOCK_M, BLOCK_N, BLOCK_N), acc)
     tl.debug_barrier()
     q0, _ = _sk_holders(tile, kit, per)
     tl.atomic_add(flag_ptr + q0, 1, sem="release", scope="gpu")
@@ -277,13 +282,13 @@ def _sk_chunks(flag_ptr, pid, tile, kit, per, WAIT: tl.constexpr):
 
 
 @triton.jit
-def _sk_gather(ws_ptr, tile, q0, parts, kit, per, c0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               WIDTH: tl.constexpr):
+def _sk_gather(ws_ptr, tile, q0, parts, kit, per, c0, ROUNDS: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
     """Columns [c0, c0 + WIDTH) of a cut tile: its pieces' partial sums added in program order, q0 first. A fixed
     order whoever sums the chunk: the same bits from run to run (no atomic adds)."""
     s = tl.zeros([BLOCK_M, WIDTH], dtype=tl.float32)
     for q in range(q0, q0 + parts):
-        s += tl.load(ws_ptr + _sk_offsets(_sk_slot(q, tile, kit, per), c0, BLOCK_M, BLOCK_N, WIDTH),
+        s += tl.load(ws_ptr + _sk_offsets(_sk_slot(q, tile, kit, per, ROUNDS), c0, BLOCK_M, BLOCK_N, WIDTH),
                      cache_modifier=".cg")
     return s
 
@@ -377,11 +382,11 @@ def _mask_arg(mask, perm, route_block):
 def _stream_k_args(stream_k, num_programs, tiles, BM, BN, device):
     """(grid, ws, flags) of a persistent linear TMA launch over at most `tiles` tiles: min(num_programs or tiles, tiles)
     programs and unread stand-ins; with stream_k (1 or 2 rounds), num_programs (the SMs), each taking a share
-    (_sk_share), the fp32 workspace [2 nprog, BM, BN] (_sk_slot) and the zeroed int32 flags [2 nprog] (each cut tile's
-    arrival and departure counts: _sk_publish, _sk_leave)."""
+    (_sk_share), the fp32 workspace [stream_k * nprog, BM, BN] (_sk_slot) and the zeroed int32 flags [2 nprog] (each
+    cut tile's arrival and departure counts: _sk_publish, _sk_leave)."""
     import torch
     n, grid = (num_programs, num_programs) if stream_k else (1, min(num_programs or tiles, tiles))
-    ws = torch.empty((2 * n, BM, BN) if stream_k else (1, ), dtype=torch.float32, device=device)
+    ws = torch.empty((stream_k * n, BM, BN) if stream_k else (1, ), dtype=torch.float32, device=device)
     return (grid, ), ws, torch.zeros(2 * n, dtype=torch.int32, device=device)
 
 

@@ -75,21 +75,21 @@ def _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0
 @triton.jit
 def _sk_finish(acc, ws_ptr, flag_ptr, pid, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr,
                row0, row_hi, e, n0, N, stride_om, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-               SCATTER_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               SCATTER_OUT: tl.constexpr, ROUNDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A stream-K piece's end (kernels/gemm_tiles.py _sk_share): a whole tile gets its epilogue; a piece of a cut tile
     is published, and summed with the tile's other pieces after the share's walk (_sk_fixup)."""
     if (k_lo == 0) & (k_hi == kit):
         _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
                          n0 + tl.arange(0, BLOCK_N), N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, BLOCK_M)
     else:
-        _sk_publish(acc, ws_ptr, flag_ptr, pid, tile, kit, per, BLOCK_M, BLOCK_N)
+        _sk_publish(acc, ws_ptr, flag_ptr, pid, tile, kit, per, ROUNDS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
               bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, HAS_BIAS: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, SCATTER_OUT: tl.constexpr, WAIT: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+              HAS_RESIDUAL: tl.constexpr, SCATTER_OUT: tl.constexpr, WAIT: tl.constexpr, ROUNDS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """After a stream-K share's walk, every piece of it published: for each tile the share cut (its first and last;
     a tile between them is whole), this program's column chunks of the tile's sum (_sk_chunks: with WAIT, after every
     holder published, every parts-th chunk), each added up from the pieces in program order (_sk_gather) and run
@@ -105,7 +105,7 @@ def _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, nu
                                               GROUP_M)
             first, step, q0, parts = _sk_chunks(flag_ptr, pid, tile, kit, per, WAIT)
             for c in range(first, SK_CHUNKS, step):
-                s = _sk_gather(ws_ptr, tile, q0, parts, kit, per, c * WIDTH, BLOCK_M, BLOCK_N, WIDTH)
+                s = _sk_gather(ws_ptr, tile, q0, parts, kit, per, c * WIDTH, ROUNDS, BLOCK_M, BLOCK_N, WIDTH)
                 _linear_epilogue(s, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
                                  n0 + c * WIDTH + tl.arange(0, WIDTH), N, stride_om, HAS_BIAS, HAS_RESIDUAL,
                                  SCATTER_OUT, BLOCK_M)
@@ -147,7 +147,7 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
     along w_desc's first dimension (_w_index). HAS_RESIDUAL: out = A·Wᵀ (+ bias) + residual, res_ptr of out's
     layout and row stride (the ffn down projection's residual add). STREAM_K (a config's "stream_k"; not with
     SPLIT_TAIL): the K steps of the last STREAM_K rounds' tiles (1: the last partial round; 2: also the whole round
-    before it) shared out evenly (_sk_share), partial sums through ws_ptr ([2 nprog, BM, BN] fp32: _sk_slot) and
+    before it) shared out evenly (_sk_share), partial sums through ws_ptr ([STREAM_K nprog, BM, BN] fp32: _sk_slot) and
     flag_ptr (int32 [2 nprog], zero before and after the launch); without it neither is read. SK_WAIT: False only
     under the Triton interpreter (_sk_chunks)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
@@ -183,12 +183,12 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
             acc = _tma_mainloop(a_desc, w_desc, _w_index(e, w_map), row0, n0, k_lo, k_hi, W_TRANSPOSED,
                                 INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
             _sk_finish(acc, ws_ptr, flag_ptr, pid, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr,
-                       perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, BLOCK_M,
-                       BLOCK_N)
+                       perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, STREAM_K,
+                       BLOCK_M, BLOCK_N)
             it -= k_hi - k_lo
         _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
                   bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT,
-                  SK_WAIT, BLOCK_M, BLOCK_N, GROUP_M)
+                  SK_WAIT, STREAM_K, BLOCK_M, BLOCK_N, GROUP_M)
 
 
 @triton.jit

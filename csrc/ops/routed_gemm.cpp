@@ -526,8 +526,8 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
 
 namespace {
 // The persistent grid of a linear TMA GEMM and what its stream-K configs read (kernels/gemm_tiles.py _sk_share): one
-// program per SM, an fp32 [2 programs, BM, BN] workspace (the pieces' partial sums, at most two per program: _sk_slot)
-// and the stream's zeroed flags (two counts per cut tile: _sk_publish, _sk_leave).
+// program per SM, an fp32 [R programs, BM, BN] workspace for stream-K over R rounds (the pieces' partial sums, at most
+// R per program: _sk_slot) and the stream's zeroed flags (two counts per cut tile: _sk_publish, _sk_leave).
 // Without stream-K: programs = min(SMs, the tile bound: persistent, any grid >= 1 covers every tile), and both
 // pointers are `unused` (not read).
 struct StreamK {
@@ -540,7 +540,8 @@ StreamK stream_k(const Gemm& g, const KernelConfig& c, int64_t max_tiles, const 
                  const void* unused) {
   if (!c.stream_k) return {std::max<int64_t>(1, std::min<int64_t>(g.sms, max_tiles)), {}, {}, unused, unused};
   const int64_t programs = g.sms;
-  at::Tensor ws = at::empty({2 * programs, int64_t{c.block[0]} * c.block[1]}, like.options().dtype(at::kFloat));
+  at::Tensor ws =
+      at::empty({c.stream_k * programs, int64_t{c.block[0]} * c.block[1]}, like.options().dtype(at::kFloat));
   at::Tensor flags = zeroed_flags_for_current_stream(2 * programs, like);
   return {programs, ws, flags, ws.data_ptr(), flags.data_ptr()};
 }
@@ -563,8 +564,8 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     TORCH_INTERNAL_ASSERT(bias0.numel() == n && bias1.numel() == n && (n <= 1 || (bias0.stride(0) == 1 &&
                                                                                    bias1.stride(0) == 1)));
   const bool has_res = residual.defined();
-  TORCH_INTERNAL_ASSERT(!has_res || (!out.expert_ordered && !w_transposed && same_rows(residual, out.t)),
-                        "routed GEMM: a residual is added to the forward into token-order rows");
+  TORCH_INTERNAL_ASSERT(!has_res || (!out.expert_ordered && (!w_transposed || tma) && same_rows(residual, out.t)),
+                        "routed GEMM: a residual is added into token-order rows (the grad-input's on the TMA path)");
   // Unused pointer arguments get the (16-byte aligned) perm so that they never block the aligned variant.
   const void* b0 = has_bias ? bias0.data_ptr() : perm_arg(r, out.t);
   const void* b1 = has_bias ? bias1.data_ptr() : perm_arg(r, out.t);
