@@ -184,10 +184,11 @@ FLAG_SETS = {
                              _paths(forward=((1, 1, 0), (0, 1, 0)), other=((1, 1, 1),))),
     # (scatter, wt), A expert-ordered: the forward into scattered rows (linear_dual, the ffn down projection) or into
     # an expert-ordered buffer (the ffn backward's gate and up; a single expert's down projection in place), each with
-    # every epilogue; the grad-input into scattered rows (linear_dual) or expert-ordered ones (the ffn backward's dh)
+    # every epilogue; the grad-input into scattered rows (linear_dual; the ffn backward's dx, whose second GEMM adds
+    # the first one's result as its residual) or expert-ordered ones (the ffn backward's dh)
     "routed_linear_tma_kernel": ((("scatter", "SCATTER_OUT"), ("wt", "W_TRANSPOSED"), ("bias", "HAS_BIAS"),
                                   ("res", "HAS_RESIDUAL")),
-                                 _paths(forward=((1, 0), (0, 0)), other=((1, 1), (0, 1)))),
+                                 _paths(forward=((1, 0), (0, 0)), other=((1, 1), (0, 1))) + ((1, 1, 0, 1),)),
     # token-order dy / x with / without the bias gradients (linear_dual, the pointer ffn backward)
     "routed_grad_weight_kernel": ((("gather", "GATHER"), ("dbias", "HAS_DBIAS")), ((1, 1), (1, 0))),
 }
