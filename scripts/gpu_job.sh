@@ -44,6 +44,7 @@ TUNE_RESUME="${TUNE_RESUME:-}"
 TUNE_ARGS="${TUNE_ARGS:-}"                 # e.g. "--ops rope,linear --rep 20" (aot/tune.py)
 TUNE_S="${TUNE_S:-240}"                    # timeout of the tune step
 CPP_S="${CPP_S:-300}"                      # timeout of the cpp step (its deployment tests include a 4-minute AOTI build)
+BUILD_S="${BUILD_S:-420}"                  # timeout of the build step (a cold AOT compile of every kernel: 4-5 minutes)
 TESTS_GPU_DESELECT="${TESTS_GPU_DESELECT:-}"  # test ids the tests-gpu step leaves out
 TESTS_GPU_PATHS="${TESTS_GPU_PATHS:-tests}"   # what the tests-gpu step runs (files or node ids; default every file)
 MODEL_ARGS="${MODEL_ARGS:-}"               # extra flags for examples/model_workload.py (e.g. --quick)
@@ -315,7 +316,7 @@ has_step() { [[ " $STEPS " == *" $1 "* ]]; }
 #        name        max  reserve  log                    show  function
 has_step env && run_step env          45     0    "$JOB_LOG"              1     step_env
 has_step liger && run_step liger        60     0    "$JOB_LOG"              1     step_liger
-has_step build && run_step build       300   120    "$OUT/build.log"        0     step_build
+has_step build && run_step build    "$BUILD_S"   120    "$OUT/build.log"        0     step_build
 echo "--- last lines of build.log:"; tail -n 25 "$OUT/build.log" 2>/dev/null
 # what the build step made; every later step uses it (without a build step, e.g. STEPS="env tune", the machine's)
 [[ -x "$REPO/.venv/bin/python" ]] && PY="$REPO/.venv/bin/python"
