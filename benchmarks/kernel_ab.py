@@ -3,20 +3,22 @@
 the A/B behind a kernel change (a stream-K rule, a fixup, an epilogue) before any table is re-tuned.
 
     mkdir -p ab_base && git archive REV kernels | tar -x -C ab_base   # the other tree's kernels/ (git-ignored)
-    python3 benchmarks/kernel_ab.py --base ab_base [--ms 1024,2048,8192] [--paths fwd,gi] [--out DIR]
+    python3 benchmarks/kernel_ab.py --base ab_base [--ms 1024,2048,8192] [--paths fwd,gi,gw] [--out DIR]
     python3 benchmarks/kernel_ab.py --base ab_base --force '{"stream_k": 1, "split": 0}'   # this tree's, forced
 
 (On the lent GPU, name ab_base in the device tool's `carry`.) The base tree's kernels/ is imported as the package
 `kernels_base` (its `kernels.` imports renamed), so both trees' Triton JIT kernels run in one process; needs triton
 and a Hopper GPU, no extension build. Cells: linear_dual's forward (routed_linear_gather_tma_kernel, x gathered
-inside: "fwd") and its grad-input GEMM (routed_linear_tma_kernel on the gathered dY with W transposed: "gi", the
-gate/up projections' included) at the matrix models' projections (benchmarks/bench_matrix.py MODELS), each mask and
-token count; a cell whose table entry is "off" (the forward then runs the gather copy and routed_linear_tma_kernel)
-is left out. Both trees take this tree's sm_90 table config for the cell; --force overrides keys of this tree's
-config only. Every variant's output is checked against float64 first (relative error < 1e-2; a wrong one is reported
-and counted). Timing: benchmarks/gemm_configs.py `interleaved` (each variant a CUDA graph of three passes over three
-input sets, rounds in a fresh random order). Prints per cell the time over cuBLAS (one GEMM on one expert's weight
-over every row) and new / base, per path and M the geometric means; writes kernel_ab.json. No targets. Exit 2
+inside: "fwd"), its grad-input GEMM (routed_linear_tma_kernel on the gathered dY with W transposed: "gi", the
+gate/up projections' included) and the weight gradients (routed_grad_weight_tma_kernel on the gathered dY and X:
+"gw", the gate/up and down projections' included) at the matrix models' projections (benchmarks/bench_matrix.py
+MODELS), each mask and token count; a cell whose table entry is "off" (the forward then runs the gather copy and
+routed_linear_tma_kernel) is left out. Both trees take this tree's sm_90 table config for the cell; --force
+overrides keys of this tree's config only (not for "gw"). Every variant's output is checked against float64 first
+(relative error < 1e-2; a wrong one is reported and counted). Timing: benchmarks/gemm_configs.py `interleaved` (each
+variant a CUDA graph of three passes over three input sets, rounds in a fresh random order). Prints per cell the time
+over cuBLAS (one GEMM on one expert's weight over every row; for "gw" dY^T X over every row) and new / base, per path
+and M the geometric means; writes kernel_ab.json. No targets. Exit 2
 without CUDA or with no base kernels, 1 if a variant was wrong.
 """
 from __future__ import annotations
@@ -57,17 +59,19 @@ def load_base(base_dir: str, into: str):
     if into not in sys.path:
         sys.path.insert(0, into)
     importlib.invalidate_caches()
-    return tuple(importlib.import_module(f"{BASE_PACKAGE}.{m}") for m in ("gemm_gather_tma", "gemm_tma"))
+    return tuple(importlib.import_module(f"{BASE_PACKAGE}.{m}") for m in ("gemm_gather_tma", "gemm_tma", "grad_weight"))
 
 
 def cells(models, ms, masks, paths):
     """(path, model, projection, M, N, K, mask) of every cell: fwd over QKV and the attention output, gi over those
-    and the gate/up projections (n = in-features, reduction = out-features)."""
+    and the gate/up projections (n = in-features, reduction = out-features), gw over those and the down projection
+    (the weight's [N, K] = [out-features, in-features])."""
     out = []
     for M in ms:
         for path in paths:
             for name, c in models.items():
-                projs = attention_projections(c) + ([("gate_up", c["I"], c["H"])] if path == "gi" else [])
+                projs = attention_projections(c) + ([("gate_up", c["I"], c["H"])] if path in ("gi", "gw") else [])
+                projs += [("down", c["H"], c["I"])] if path == "gw" else []
                 for proj, n_out, k_in in projs:
                     N, K = (k_in, n_out) if path == "gi" else (n_out, k_in)
                     out += [(path, name, proj, M, N, K, mk) for mk in masks]
@@ -81,6 +85,39 @@ def launch_kwargs(cfg, sms, force=None):
     return dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.get("group", 8), num_warps=cfg["warps"], num_stages=cfg["stages"],
                 FLATTEN=bool(cfg.get("flatten")), SPLIT_TAIL=int(cfg.get("split", 0)),
                 STREAM_K=int(cfg.get("stream_k", 0)), num_programs=sms)
+
+
+def grad_weight_cell(torch, gather, base_w, new_w, cfg, M, N, K, mask, perm, seg):
+    """The variants of one "gw" cell ({name: [a launch per input set]}: cuBLAS's dY^T X over every row, the base and
+    this tree's routed_grad_weight_tma_kernel on the gathered dY and X, both experts) and each kernel's relative
+    error against float64 on the first input set."""
+    bn, bk, br = cfg["block"]
+    kw = dict(BN=bn, BK=bk, BR=br, GROUP_N=cfg.get("group", 8), num_warps=cfg["warps"], num_stages=cfg["stages"])
+    sets = []
+    for _ in range(3):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        pad = perm.shape[0]
+        sets.append(dict(x=x, dy=dy, xg=gather(x, torch.empty(pad, K, device="cuda", dtype=x.dtype), perm),
+                         dyg=gather(dy, torch.empty(pad, N, device="cuda", dtype=x.dtype), perm),
+                         dw=torch.empty(2, N, K, device="cuda", dtype=x.dtype)))
+
+    def kernel(mod):
+        return [lambda s=s: mod.launch_routed_grad_weight_tma(s["dyg"], s["xg"], seg, s["dw"][0], s["dw"][1], **kw)
+                for s in sets]
+    variants = {"cublas": [lambda s=s: torch.matmul(s["dy"].T, s["x"], out=s["dw"][0]) for s in sets],
+                "base": kernel(base_w), "new": kernel(new_w)}
+    s0 = sets[0]
+    sel = mask.double()[:, None]
+    refs = [(s0["dy"].double() * (1 - sel)).T @ s0["x"].double(), (s0["dy"].double() * sel).T @ s0["x"].double()]
+    errs = {}
+    for v in ("base", "new"):
+        s0["dw"].fill_(float("nan"))
+        variants[v][0]()
+        torch.cuda.synchronize()
+        errs[v] = max(((s0["dw"][e].double() - refs[e]).norm() / refs[e].norm().clamp_min(1e-30)).item()
+                      for e in (0, 1) if refs[e].norm() > 0)
+    return variants, errs
 
 
 def main(argv=None) -> int:
@@ -107,7 +144,7 @@ def main(argv=None) -> int:
         print("kernel_ab: no CUDA device", file=sys.stderr)
         return 2
     try:
-        base_g, base_t = load_base(args.base, tempfile.mkdtemp(prefix="kernel_ab_"))
+        base = load_base(args.base, tempfile.mkdtemp(prefix="kernel_ab_"))
     except FileNotFoundError as e:
         print(f"kernel_ab: {e}", file=sys.stderr)
         return 2
@@ -115,6 +152,8 @@ def main(argv=None) -> int:
     from aot import config_table as ct
     import kernels.gemm_gather_tma as new_g
     import kernels.gemm_tma as new_t
+    import kernels.grad_weight as new_w
+    new = (new_g, new_t, new_w)
     from kernels.gather_rows import launch_gather_rows
     from kernels.routing import route
     with open(os.path.join(ROOT, "aot", "configs", "sm90.json")) as f:
@@ -128,12 +167,28 @@ def main(argv=None) -> int:
             print(f"kernel_ab: budget spent, {len(todo) - len(rows)} cells left", flush=True)
             break
         gi = path == "gi"
+        mask = make_mask(mk, M, torch.Generator().manual_seed(M + N + K), "cuda")
+        perm, seg = route(mask, align=128)
+        if path == "gw":
+            cfg = ct.pick(table, "routed_grad_weight_tma_kernel", "half", M, n=N, k=K)
+            variants, errs = grad_weight_cell(torch, launch_gather_rows, base[2], new[2], cfg, M, N, K, mask, perm,
+                                              seg)
+            wrong += sum(not e < 1e-2 for e in errs.values())
+            for v, e in errs.items():
+                if not e < 1e-2:
+                    print(f"kernel_ab: {v} is wrong at gw {name} {proj} M={M} {mk}: relative error {e:.2e}",
+                          file=sys.stderr)
+            med, _ = interleaved(torch, variants, args.rounds)
+            rows.append(dict(path=path, model=name, proj=proj, M=M, N=N, K=K, mask=mk, config=cfg, force=None,
+                             us=med, err=errs))
+            print(f"gw  {name:15s} {proj:7s} M={M:5d} {mk:8s} cuBLAS {med['cublas']:8.1f} us  base "
+                  f"{med['base'] / med['cublas']:.3f}x  new {med['new'] / med['cublas']:.3f}x  new/base "
+                  f"{med['new'] / med['base']:.3f}", flush=True)
+            continue
         cfg = ct.pick(table, "routed_linear_tma_kernel" if gi else "routed_linear_gather_tma_kernel", "half", M,
                       n=N, k=K, wt=gi)
         if cfg.get("off"):
             continue
-        mask = make_mask(mk, M, torch.Generator().manual_seed(M + N + K), "cuda")
-        perm, seg = route(mask, align=128)
         sets = []
         for _ in range(3):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -151,7 +206,7 @@ def main(argv=None) -> int:
             return make
         variants = {"cublas": lambda s: ((lambda: torch.matmul(s["x"], s["w"][0], out=s["out"])) if gi else
                                          (lambda: torch.nn.functional.linear(s["x"], s["w"][0], out=s["out"]))),
-                    "base": variant(base_g, base_t, launch_kwargs(cfg, sms)),
+                    "base": variant(base[0], base[1], launch_kwargs(cfg, sms)),
                     "new": variant(new_g, new_t, launch_kwargs(cfg, sms, force))}
         s0 = sets[0]
         w0, w1 = (s0["w"][0].double(), s0["w"][1].double()) if gi else (s0["w"][0].double().T, s0["w"][1].double().T)

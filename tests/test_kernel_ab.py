@@ -16,9 +16,10 @@ pytest.importorskip("triton")
 
 def test_load_base_imports_the_other_tree_as_its_own_package(tmp_path):
     shutil.copytree(os.path.join(ROOT, "kernels"), tmp_path / "tree" / "kernels")
-    gather, tma = kernel_ab.load_base(str(tmp_path / "tree"), str(tmp_path / "pkgs"))
+    gather, tma, gw = kernel_ab.load_base(str(tmp_path / "tree"), str(tmp_path / "pkgs"))
     import kernels.gemm_tma as ours
     assert gather.__name__ == "kernels_base.gemm_gather_tma" and tma.__name__ == "kernels_base.gemm_tma"
+    assert gw.__name__ == "kernels_base.grad_weight"
     assert tma.launch_routed_linear_tma is not ours.launch_routed_linear_tma
     # the base kernels use their own helpers, not this tree's
     assert sys.modules["kernels_base.gemm_tiles"] is not sys.modules["kernels.gemm_tiles"]
@@ -34,14 +35,17 @@ def test_load_base_needs_a_kernels_package(tmp_path):
 
 def test_cells_cover_the_projections_in_both_orientations():
     models = {"m": dict(H=64, I=96, hq=4, hk=2, d=16)}
-    got = kernel_ab.cells(models, [256, 1024], ["rand50", "span"], ["fwd", "gi"])
-    assert len(got) == 2 * (2 + 3) * 2  # M x (fwd: qkv, o; gi: qkv, o, gate/up) x masks
+    got = kernel_ab.cells(models, [256, 1024], ["rand50", "span"], ["fwd", "gi", "gw"])
+    assert len(got) == 2 * (2 + 3 + 4) * 2  # M x (fwd: qkv, o; gi: qkv, o, gate/up; gw: those and down) x masks
     fwd = {(c[2], c[4], c[5]) for c in got if c[0] == "fwd"}
     gi = {(c[2], c[4], c[5]) for c in got if c[0] == "gi"}
+    gw = {(c[2], c[4], c[5]) for c in got if c[0] == "gw"}
     qkv = (4 + 2 * 2) * 16
     assert fwd == {("qkv", qkv, 64), ("o", 64, 64)}
     # grad-input: n = the weight's in-features, the reduction its out-features
     assert gi == {("qkv", 64, qkv), ("o", 64, 64), ("gate_up", 64, 96)}
+    # weight gradients: the weight's [out-features, in-features]
+    assert gw == {("qkv", qkv, 64), ("o", 64, 64), ("gate_up", 96, 64), ("down", 64, 96)}
 
 
 def test_launch_kwargs_apply_a_forced_key_over_the_table_config():
