@@ -98,12 +98,14 @@ def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_desc, dw1_desc, 
                                   GROUP_N: tl.constexpr, PDL: tl.constexpr = False):
     """dW_e = dY_e^T X_e over expert-ordered buffers (sm_90): dy_desc [M_pad, N] block [BR, BN], x_desc [M_pad, K]
     block [BR, BK], dw0_desc / dw1_desc [N, K] block [BN, BK] (TMA stores). experts: bit 0 computes expert 0, bit 1
-    expert 1 (a frozen expert's dW is not touched). Grid (cdiv(N, BN) * cdiv(K, BK),): each program computes its
-    [BN, BK] tile of both experts in one pipelined loop over expert 0's rows, then expert 1's. Expert 0's epilogue
-    runs inside the loop, while the loads of expert 1's first steps are in flight, and a program reduces over all M
-    rows, as in a dense GEMM: the grid and its last wave are the dense GEMM's. (One program per expert and tile pays
-    for the split: twice the tiles, each with its own prologue and epilogue.) The stores go through
-    TMA: with pointer stores, the epilogue inside the loop spills (255 registers).
+    expert 1 (a frozen expert's dW is not touched). Persistent: program pid takes the [BN, BK] tiles pid, pid + P,
+    ... (P programs, at most one per SM; GROUP_N-grouped order), and for each its K steps over expert 0's rows, then
+    expert 1's: all of its tiles' steps are ONE loop, so that the pipeline runs on from a tile's last step into the
+    next tile's first loads, and a tile's epilogues (expert 0's, then expert 1's; TMA stores) run while those loads
+    are in flight. One program per tile instead (the grid of a dense GEMM) paid a prologue and a CTA start per tile:
+    at 1024 tokens, 32 steps of 32 rows a tile, 1.3-1.5x cuBLAS's time. A program reduces over all M rows, as in a
+    dense GEMM (one program per expert and tile would pay for the split: twice the tiles, each with its own
+    prologue and epilogue). With pointer stores, the epilogues inside the loop spill (255 registers).
     Expert e's rows start at seg[e] (a multiple of the routing ALIGN, which BLOCK_R divides) and number
     count_e = seg[3 + e]; its steps stop at the first multiple of BLOCK_R past them, not at the segment's padded end.
     The padding rows read must be zero (gather_rows output, or expert-ordered GEMM outputs without bias), so every
@@ -112,31 +114,50 @@ def routed_grad_weight_tma_kernel(dy_desc, x_desc, seg_ptr, dw0_desc, dw1_desc, 
     come from dY's gather: gather_rows_kernel(COLSUM), then expert_colsum_kernel)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
-    pid_n, pid_k = _tile_mn(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP_N)
+    nprog = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    num_tiles = tiles_n * tiles_k
     want0 = (experts & 1) != 0
     want1 = (experts & 2) != 0
     steps0 = tl.where(want0, tl.cdiv(tl.load(seg_ptr + 3), BLOCK_R), 0)
     steps1 = tl.where(want1, tl.cdiv(tl.load(seg_ptr + 4), BLOCK_R), 0)
+    steps = steps0 + steps1
     lo1 = tl.load(seg_ptr + 1)  # expert 0's rows start at 0
-    n0 = pid_n * BLOCK_N
-    k0 = pid_k * BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     # An expert without rows gets its zeros first, under the loop's first loads: stored after the loop they would add
     # a second epilogue at its end.
-    if want0 and steps0 == 0:
-        dw0_desc.store([n0, k0], acc.to(dw0_desc.dtype))
-    if want1 and steps1 == 0:
-        dw1_desc.store([n0, k0], acc.to(dw1_desc.dtype))
-    for s in range(0, steps0 + steps1):
+    if (want0 and steps0 == 0) or (want1 and steps1 == 0):
+        for t in range(pid, num_tiles, nprog):
+            pid_n, pid_k = _tile_mn(t, tiles_n, tiles_k, GROUP_N)
+            if want0 and steps0 == 0:
+                dw0_desc.store([pid_n * BLOCK_N, pid_k * BLOCK_K], acc.to(dw0_desc.dtype))
+            if want1 and steps1 == 0:
+                dw1_desc.store([pid_n * BLOCK_N, pid_k * BLOCK_K], acc.to(dw1_desc.dtype))
+    # (tile, s): the step s of tile `tile`, carried from step to step (no divisions per step)
+    tile = pid - nprog
+    s = steps - 1
+    n0 = 0
+    k0 = 0
+    for _ in range(0, tl.cdiv(num_tiles - pid, nprog) * steps):
+        s = tl.where(s == steps - 1, 0, s + 1)
+        if s == 0:
+            tile += nprog
+            pid_n, pid_k = _tile_mn(tile, tiles_n, tiles_k, GROUP_N)
+            n0 = pid_n * BLOCK_N
+            k0 = pid_k * BLOCK_K
         r = tl.where(s < steps0, s * BLOCK_R, lo1 + (s - steps0) * BLOCK_R)
         dyt = dy_desc.load([r, n0])  # [BR, BN]
         xt = x_desc.load([r, k0])  # [BR, BK]
         acc = tl.dot(dyt.T, xt, acc, input_precision=INPUT_PRECISION)
-        if s == steps0 - 1:  # expert 0's last step: its tile is done, expert 1 starts from zero
-            dw0_desc.store([n0, k0], acc.to(dw0_desc.dtype))
+        # an expert's last step: its tile is stored, and the next expert (or tile) starts from zero. One branch, one
+        # reset: with a reset in each of two branches, ptxas serializes every wgmma of the loop (2x slower)
+        if (s == steps0 - 1) or (s == steps - 1):
+            if s == steps0 - 1:
+                dw0_desc.store([n0, k0], acc.to(dw0_desc.dtype))
+            else:
+                dw1_desc.store([n0, k0], acc.to(dw1_desc.dtype))
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if steps1 > 0:
-        dw1_desc.store([n0, k0], acc.to(dw1_desc.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,9 +187,10 @@ def launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, db0=None, db1=None, *,
 
 
 def launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, *, input_precision="tf32", BN=128, BK=256, BR=32,
-                                  GROUP_N=8, num_warps=8, num_stages=5, experts=(0, 1)):
+                                  GROUP_N=8, num_warps=8, num_stages=5, experts=(0, 1), num_programs=None):
     """dy_pad [M_pad, N], x_pad [M_pad, K] expert-ordered (zero padding rows, e.g. from launch_gather_rows); dw0, dw1
-    contiguous [N, K]. experts: as in launch_routed_grad_weight."""
+    contiguous [N, K]. experts: as in launch_routed_grad_weight. num_programs: the persistent grid's size cap (the
+    SMs; None: the device's, or one program per tile under the interpreter)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     N, K = dw0.shape
     dy_desc = TensorDescriptor.from_tensor(dy_pad, [BR, BN])
@@ -176,7 +198,11 @@ def launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, *, input_precisi
     dw0_desc = TensorDescriptor.from_tensor(dw0, [BN, BK])
     dw1_desc = TensorDescriptor.from_tensor(dw1, [BN, BK])
     _grad_weight_experts(experts)
-    grid = (triton.cdiv(N, BN) * triton.cdiv(K, BK), )
+    tiles = triton.cdiv(N, BN) * triton.cdiv(K, BK)
+    if num_programs is None and dw0.is_cuda:
+        import torch
+        num_programs = torch.cuda.get_device_properties(dw0.device).multi_processor_count
+    grid = (max(1, min(tiles, num_programs or tiles)), )
     routed_grad_weight_tma_kernel[grid](dy_desc, x_desc, seg, dw0_desc, dw1_desc, N, K, sum(1 << e for e in experts),
                                         INPUT_PRECISION=input_precision, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR,
                                         GROUP_N=GROUP_N, num_warps=num_warps, num_stages=num_stages)

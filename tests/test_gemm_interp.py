@@ -990,7 +990,7 @@ def test_grad_weight_one_expert(tma, expert):
         launch_gather_rows(dy, dy_pad, perm, BLOCK_R=16, BLOCK_C=32)
         launch_gather_rows(x, x_pad, perm, BLOCK_R=16, BLOCK_C=32)
         launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw[0], dw[1], input_precision="ieee", BN=16, BK=16,
-                                      BR=16, experts=(expert, ))
+                                      BR=16, experts=(expert, ), num_programs=4)
     else:
         launch_routed_grad_weight(dy, x, perm, seg, dw[0], dw[1], db[0], db[1], input_precision="ieee", BN=16,
                                   BK=16, BR=16, experts=(expert, ))
@@ -1004,8 +1004,11 @@ def test_grad_weight_one_expert(tma, expert):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", GRAD_WEIGHT_MASKS)
-def test_grad_weight_tma(dtype, kind):
-    """The sm_90 grad-weight kernel on expert-ordered, zero-padded buffers (N, K not multiples of the tile)."""
+@pytest.mark.parametrize("programs", [None, 4])
+def test_grad_weight_tma(dtype, kind, programs):
+    """The sm_90 grad-weight kernel on expert-ordered, zero-padded buffers (N, K not multiples of the tile). programs:
+    one per tile (None), or 4 for the 6 tiles, so that some programs walk two tiles in their one loop (the second
+    tile's accumulator must start from zero; an expert without rows gets zeros in every tile)."""
     M, N, K = 37, 24, 40
     gen = torch.Generator().manual_seed(12)
     mask = make_mask(kind, M, gen)
@@ -1017,7 +1020,8 @@ def test_grad_weight_tma(dtype, kind):
     launch_gather_rows(dy, dy_pad, perm, BLOCK_R=16, BLOCK_C=32)
     launch_gather_rows(x, x_pad, perm, BLOCK_R=16, BLOCK_C=32)
     dw0, dw1 = (torch.full((N, K), float("nan"), dtype=dtype) for _ in range(2))
-    launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, input_precision=prec(dtype), BN=16, BK=16, BR=16)
+    launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, input_precision=prec(dtype), BN=16, BK=16, BR=16,
+                                  num_programs=programs)
     xd, dyd = x.double(), dy.double()
     m1 = mask.double()[:, None]
     for out, ref in ((dw0, (dyd * (1 - m1)).T @ xd), (dw1, (dyd * m1).T @ xd)):

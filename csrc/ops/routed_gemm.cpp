@@ -898,8 +898,8 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
   if (dbias) TORCH_INTERNAL_ASSERT(db0.numel() == N && db1.numel() == N && db0.is_contiguous() && db1.is_contiguous());
   KernelArgs args;
   if (tma) {
-    // One program per [BN, BK] tile computes it for every expert in `experts` (bit e: expert e), in one loop over
-    // their rows; a frozen expert's dW is not touched.
+    // Persistent, at most one program per SM: each computes its [BN, BK] tiles for every expert in `experts` (bit e:
+    // expert e), all in one loop over their rows; a frozen expert's dW is not touched.
     TORCH_INTERNAL_ASSERT(dy.expert_ordered, "routed GEMM: the TMA grad-weight takes expert-ordered buffers");
     TORCH_INTERNAL_ASSERT(!dbias, "routed GEMM: the TMA grad-weight sums no bias (gather_rows_and_sum does)");
     const KernelConfig& c = config(g, "routed_grad_weight_tma_kernel", r.M, N, K);  // block: BN x BK x BR
@@ -910,7 +910,7 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
         .tensor(dw1.data_ptr(), {N, K}, {dw1.stride(0), 1})
         .i32(N).i32(K).i32((run[0] ? 1 : 0) | (run[1] ? 2 : 0));
     launch_on_current_stream("routed_grad_weight_tma_kernel", grad_weight_tma_key(g, c), args,
-                             grid(cdiv(N, c.block[0]) * cdiv(K, c.block[1])), dw0);
+                             grid(std::min<int64_t>(g.sms, cdiv(N, c.block[0]) * cdiv(K, c.block[1]))), dw0);
     return;
   }
   // Pointer kernel: a launch of one expert (either, or the only one of a single routing) has per_e programs, all
