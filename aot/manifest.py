@@ -178,10 +178,11 @@ def _paths(forward, other=()):
 FLAG_SETS = {
     # (gather, scatter, wt): the linear_dual forward (token-order x gathered, rows scattered) and the ffn down
     # projection (A = expert-ordered h, rows scattered), each with every epilogue; the grad-input of linear_dual and
-    # of the pointer ffn backward (token order, W transposed)
+    # of the pointer ffn backward (token order, W transposed; the ffn's dx: its second GEMM adds the first one's
+    # result as its residual)
     "routed_linear_kernel": ((("gather", "GATHER_A"), ("scatter", "SCATTER_OUT"), ("wt", "W_TRANSPOSED"),
                               ("bias", "HAS_BIAS"), ("res", "HAS_RESIDUAL")),
-                             _paths(forward=((1, 1, 0), (0, 1, 0)), other=((1, 1, 1),))),
+                             _paths(forward=((1, 1, 0), (0, 1, 0)), other=((1, 1, 1),)) + ((1, 1, 1, 0, 1),)),
     # (scatter, wt), A expert-ordered: the forward into scattered rows (linear_dual, the ffn down projection) or into
     # an expert-ordered buffer (the ffn backward's gate and up; a single expert's down projection in place), each with
     # every epilogue; the grad-input into scattered rows (linear_dual; the ffn backward's dx, whose second GEMM adds

@@ -470,12 +470,13 @@ def test_linear_forward_residual(dtype, path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("stream_k", [0, 1])
-def test_grad_input_accumulates(dtype, stream_k):
+@pytest.mark.parametrize("path", ["tma", "tma_stream_k", "pointer"])
+def test_grad_input_accumulates(dtype, path):
     """HAS_RESIDUAL on the grad-input (W_TRANSPOSED, rows scattered to token order): the ffn backward's dx = dgate·W1_e
     + dup·W3_e, whose second GEMM takes the first one's output as its residual and writes over it (the residual IS
     the output). Each element must be read before it is written by the same program, also where stream-K cuts a tile
-    (its sum's epilogue adds the residual once). Output rows sit in a NaN-poisoned buffer with a wider row stride."""
+    (its sum's epilogue adds the residual once). tma: expert-ordered A; pointer: token-order A gathered through perm
+    (the pointer ffn backward). Output rows sit in a NaN-poisoned buffer with a wider row stride."""
     M, H, I = 37, 40, 88  # grad-input: 3 column tiles of H, 6 K steps of I: stream-K cuts tiles into pieces
     gen = torch.Generator().manual_seed(25)
     mask = make_mask("random", M, gen)
@@ -484,14 +485,18 @@ def test_grad_input_accumulates(dtype, stream_k):
     perm, seg = route(mask, align=ALIGN)
     out_all = torch.full((M + 4, H + 8), float("nan"), dtype=dtype)
     out = out_all[:M, :H]
-    kw = dict(scatter_out=True, w_transposed=True, input_precision=prec(dtype), **T)
-    if stream_k:  # the fewest programs whose last round is at most half full: stream-K shares it
-        tiles = sum(-(-int(c) // T["BM"]) for c in seg[3:]) * -(-H // T["BN"])
-        kw.update(STREAM_K=1, num_programs=next(p for p in range(4, tiles) if 0 < 2 * (tiles % p) <= p))
+    if path == "pointer":
+        kw = dict(gather_a=True, scatter_out=True, w_transposed=True, input_precision=prec(dtype), **T)
+        launch_routed_linear(dgate, w1[0], w1[1], None, None, out, perm, seg, H, I, **kw)
+        launch_routed_linear(dup, w3[0], w3[1], None, None, out, perm, seg, H, I, residual=out, **kw)
     else:
-        kw.update(num_programs=3)
-    launch_routed_linear_tma(gathered(dgate, perm, perm.shape[0]), w1, None, None, out, perm, seg, **kw)
-    launch_routed_linear_tma(gathered(dup, perm, perm.shape[0]), w3, None, None, out, perm, seg, residual=out, **kw)
+        kw = dict(scatter_out=True, w_transposed=True, input_precision=prec(dtype), num_programs=3, **T)
+        if path == "tma_stream_k":  # the fewest programs whose last round is at most half full: stream-K shares it
+            tiles = sum(-(-int(c) // T["BM"]) for c in seg[3:]) * -(-H // T["BN"])
+            kw.update(STREAM_K=1, num_programs=next(p for p in range(4, tiles) if 0 < 2 * (tiles % p) <= p))
+        launch_routed_linear_tma(gathered(dgate, perm, perm.shape[0]), w1, None, None, out, perm, seg, **kw)
+        launch_routed_linear_tma(gathered(dup, perm, perm.shape[0]), w3, None, None, out, perm, seg, residual=out,
+                                 **kw)
     sel = mask[:, None]
     ref = (torch.where(sel, dgate.double() @ w1[1].double(), dgate.double() @ w1[0].double())
            + torch.where(sel, dup.double() @ w3[1].double(), dup.double() @ w3[0].double()))

@@ -31,8 +31,8 @@
 //   (recompute on the TMA path, where the paired gate/up GEMM serves: gate and up from one GEMM whose epilogue
 //   computes h, dgate, dup directly, reading dh: gate and up are never stored)
 //   dw2 = dyᵀ·h, dw1 = dgateᵀ·x, dw3 = dupᵀ·x           (routed_grad_weight, per expert)
-//   dx = dgate·w1 + dup·w3                              (two routed_linear grad-input passes; TMA: the second adds
-//                                                        the first's output in its epilogue, else a separate add)
+//   dx = dgate·w1 + dup·w3                              (two routed_linear grad-input passes, the second adding
+//                                                        the first's output in its epilogue)
 //   TMA path: x and dy are gathered once and every intermediate is expert-ordered ([M_pad, .]); pointer path:
 //   intermediates in token order ([M, .]), rows gathered / scattered through perm inside the kernels.
 //   output_mask: the grad-weight GEMMs run only for the weights asked for (one expert's programs where the other is
@@ -245,13 +245,8 @@ FfnGrads ffn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, FUSE
     gx = at::empty(x.sizes(), opt);
     at::Tensor gx2 = gx.view({geo.M, geo.H});
     routed::linear(g, r, as(dgate), p.gate, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma);
-    if (tma) {  // the second GEMM adds the first's result in its epilogue, in place: no [M, H] temporary, no add pass
-      routed::linear(g, r, as(dup), p.up, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma, gx2);
-    } else {
-      at::Tensor gx_up = at::empty({geo.M, geo.H}, opt);
-      routed::linear(g, r, as(dup), p.up, none, none, routed::tokens(gx_up), /*w_transposed=*/true, tma);
-      gx2.add_(gx_up);
-    }
+    // the second GEMM adds the first's result in its epilogue, in place: no [M, H] temporary, no add pass
+    routed::linear(g, r, as(dup), p.up, none, none, routed::tokens(gx2), /*w_transposed=*/true, tma, gx2);
   }
   if (want_dw1) {
     allocate(dw1, kGate, {geo.I, geo.H});

@@ -564,8 +564,8 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     TORCH_INTERNAL_ASSERT(bias0.numel() == n && bias1.numel() == n && (n <= 1 || (bias0.stride(0) == 1 &&
                                                                                    bias1.stride(0) == 1)));
   const bool has_res = residual.defined();
-  TORCH_INTERNAL_ASSERT(!has_res || (!out.expert_ordered && (!w_transposed || tma) && same_rows(residual, out.t)),
-                        "routed GEMM: a residual is added into token-order rows (the grad-input's on the TMA path)");
+  TORCH_INTERNAL_ASSERT(!has_res || (!out.expert_ordered && same_rows(residual, out.t)),
+                        "routed GEMM: a residual is added into token-order rows");
   // Unused pointer arguments get the (16-byte aligned) perm so that they never block the aligned variant.
   const void* b0 = has_bias ? bias0.data_ptr() : perm_arg(r, out.t);
   const void* b1 = has_bias ? bias1.data_ptr() : perm_arg(r, out.t);

@@ -245,7 +245,7 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
 // residual, when defined: added in the epilogue (out = a · W_eᵀ (+ bias_e) + residual, one rounding), a tensor of out's
 // shape and strides, read at the rows out is written, which may be out itself (each element is read by the program
 // that writes it); into token-order rows only: the forward (linear_dual's and the ffn down projection's `residual`: a
-// transformer block's residual add) and, with tma, the grad-input (the ffn backward's dx = dgate·W1 + dup·W3).
+// transformer block's residual add) and the grad-input (the ffn backward's dx = dgate·W1 + dup·W3).
 void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0,
             const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma,
             const at::Tensor& residual = at::Tensor());
