@@ -268,7 +268,7 @@ class Problem:
         dw0, dw1 = self.out
         if self.tma:
             launch_routed_grad_weight_tma(args[2], args[3], self.seg, dw0, dw1, BN=bm_or_bn, BK=b1, BR=b2,
-                                          GROUP_N=gm, num_warps=w, num_stages=s)
+                                          GROUP_N=gm, num_warps=w, num_stages=s, num_programs=self.sms)
         else:
             launch_routed_grad_weight(args[0], args[1], self.perm, self.seg, dw0, dw1, BN=bm_or_bn, BK=b1, BR=b2,
                                       GROUP_N=gm, num_warps=w, num_stages=s)

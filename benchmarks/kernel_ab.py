@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import os
@@ -87,7 +88,47 @@ def launch_kwargs(cfg, sms, force=None):
                 STREAM_K=int(cfg.get("stream_k", 0)), num_programs=sms)
 
 
-def grad_weight_cell(torch, gather, base_w, new_w, cfg, M, N, K, mask, perm, seg):
+def _errors(torch, variants, out, refs):
+    """Each kernel variant's relative error against float64 on the first input set: `out` (NaN-poisoned first) after
+    its first call, against every nonzero reference of refs ([(view of out, float64 reference)])."""
+    errs = {}
+    for v in ("base", "new"):
+        out.fill_(float("nan"))
+        variants[v][0]()
+        torch.cuda.synchronize()
+        errs[v] = max(((got.double() - ref).norm() / ref.norm()).item() for got, ref in refs if ref.norm() > 0)
+    return errs
+
+
+def linear_cell(torch, gather, base, new, cfg, force, sms, gi, M, N, K, mask, perm, seg):
+    """The variants of one "fwd" or "gi" cell ({name: [a launch per input set]}: cuBLAS on one expert's weight over
+    every row, the base and this tree's routed_linear_gather_tma_kernel (fwd, x gathered inside) or
+    routed_linear_tma_kernel on the gathered rows with W transposed (gi); force applies to this tree's) and each
+    kernel's relative error against float64 on the first input set."""
+    sets = []
+    for _ in range(3):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(*((2, K, N) if gi else (2, N, K)), device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        xg = gather(x, torch.empty(perm.shape[0], K, device="cuda", dtype=x.dtype), perm)
+        sets.append(dict(x=x, w=w, xg=xg, out=torch.empty(M, N, device="cuda", dtype=x.dtype)))
+
+    def kernel(mods, kw):
+        if gi:
+            return [lambda s=s: mods[1].launch_routed_linear_tma(s["xg"], s["w"], None, None, s["out"], perm, seg,
+                                                                 w_transposed=True, **kw) for s in sets]
+        return [lambda s=s: mods[0].launch_routed_linear_gather_tma(s["x"], s["w"], None, None, s["out"], perm, seg,
+                                                                    **kw) for s in sets]
+    cublas = ([lambda s=s: torch.matmul(s["x"], s["w"][0], out=s["out"]) for s in sets] if gi else
+              [lambda s=s: torch.nn.functional.linear(s["x"], s["w"][0], out=s["out"]) for s in sets])
+    variants = {"cublas": cublas, "base": kernel(base, launch_kwargs(cfg, sms)),
+                "new": kernel(new, launch_kwargs(cfg, sms, force))}
+    s0 = sets[0]
+    w0, w1 = (s0["w"][0].double(), s0["w"][1].double()) if gi else (s0["w"][0].double().T, s0["w"][1].double().T)
+    ref = torch.where(mask[:, None], s0["x"].double() @ w1, s0["x"].double() @ w0)
+    return variants, _errors(torch, variants, s0["out"], [(s0["out"], ref)])
+
+
+def grad_weight_cell(torch, gather, base_w, new_w, cfg, sms, M, N, K, mask, perm, seg):
     """The variants of one "gw" cell ({name: [a launch per input set]}: cuBLAS's dY^T X over every row, the base and
     this tree's routed_grad_weight_tma_kernel on the gathered dY and X, both experts) and each kernel's relative
     error against float64 on the first input set."""
@@ -103,21 +144,17 @@ def grad_weight_cell(torch, gather, base_w, new_w, cfg, M, N, K, mask, perm, seg
                          dw=torch.empty(2, N, K, device="cuda", dtype=x.dtype)))
 
     def kernel(mod):
-        return [lambda s=s: mod.launch_routed_grad_weight_tma(s["dyg"], s["xg"], seg, s["dw"][0], s["dw"][1], **kw)
-                for s in sets]
+        # one program per SM, as the C++ launcher runs it, where the tree's launcher takes a grid size
+        takes_grid = "num_programs" in inspect.signature(mod.launch_routed_grad_weight_tma).parameters
+        grid = {"num_programs": sms} if takes_grid else {}
+        return [lambda s=s: mod.launch_routed_grad_weight_tma(s["dyg"], s["xg"], seg, s["dw"][0], s["dw"][1], **kw,
+                                                              **grid) for s in sets]
     variants = {"cublas": [lambda s=s: torch.matmul(s["dy"].T, s["x"], out=s["dw"][0]) for s in sets],
                 "base": kernel(base_w), "new": kernel(new_w)}
     s0 = sets[0]
     sel = mask.double()[:, None]
     refs = [(s0["dy"].double() * (1 - sel)).T @ s0["x"].double(), (s0["dy"].double() * sel).T @ s0["x"].double()]
-    errs = {}
-    for v in ("base", "new"):
-        s0["dw"].fill_(float("nan"))
-        variants[v][0]()
-        torch.cuda.synchronize()
-        errs[v] = max(((s0["dw"][e].double() - refs[e]).norm() / refs[e].norm().clamp_min(1e-30)).item()
-                      for e in (0, 1) if refs[e].norm() > 0)
-    return variants, errs
+    return variants, _errors(torch, variants, s0["dw"], [(s0["dw"][0], refs[0]), (s0["dw"][1], refs[1])])
 
 
 def main(argv=None) -> int:
@@ -166,65 +203,29 @@ def main(argv=None) -> int:
         if time.time() - t0 > args.budget_s:
             print(f"kernel_ab: budget spent, {len(todo) - len(rows)} cells left", flush=True)
             break
-        gi = path == "gi"
         mask = make_mask(mk, M, torch.Generator().manual_seed(M + N + K), "cuda")
         perm, seg = route(mask, align=128)
         if path == "gw":
-            cfg = ct.pick(table, "routed_grad_weight_tma_kernel", "half", M, n=N, k=K)
-            variants, errs = grad_weight_cell(torch, launch_gather_rows, base[2], new[2], cfg, M, N, K, mask, perm,
-                                              seg)
-            wrong += sum(not e < 1e-2 for e in errs.values())
-            for v, e in errs.items():
-                if not e < 1e-2:
-                    print(f"kernel_ab: {v} is wrong at gw {name} {proj} M={M} {mk}: relative error {e:.2e}",
-                          file=sys.stderr)
-            med, _ = interleaved(torch, variants, args.rounds)
-            rows.append(dict(path=path, model=name, proj=proj, M=M, N=N, K=K, mask=mk, config=cfg, force=None,
-                             us=med, err=errs))
-            print(f"gw  {name:15s} {proj:7s} M={M:5d} {mk:8s} cuBLAS {med['cublas']:8.1f} us  base "
-                  f"{med['base'] / med['cublas']:.3f}x  new {med['new'] / med['cublas']:.3f}x  new/base "
-                  f"{med['new'] / med['base']:.3f}", flush=True)
-            continue
-        cfg = ct.pick(table, "routed_linear_tma_kernel" if gi else "routed_linear_gather_tma_kernel", "half", M,
-                      n=N, k=K, wt=gi)
-        if cfg.get("off"):
-            continue
-        sets = []
-        for _ in range(3):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(*((2, K, N) if gi else (2, N, K)), device="cuda", dtype=torch.bfloat16) / K ** 0.5
-            xg = launch_gather_rows(x, torch.empty(perm.shape[0], K, device="cuda", dtype=x.dtype), perm)
-            sets.append(dict(x=x, w=w, xg=xg, out=torch.empty(M, N, device="cuda", dtype=x.dtype)))
-
-        def variant(mod_g, mod_t, kw):
-            def make(s):
-                if gi:
-                    return lambda: mod_t.launch_routed_linear_tma(s["xg"], s["w"], None, None, s["out"], perm, seg,
-                                                                  w_transposed=True, **kw)
-                return lambda: mod_g.launch_routed_linear_gather_tma(s["x"], s["w"], None, None, s["out"], perm, seg,
-                                                                     **kw)
-            return make
-        variants = {"cublas": lambda s: ((lambda: torch.matmul(s["x"], s["w"][0], out=s["out"])) if gi else
-                                         (lambda: torch.nn.functional.linear(s["x"], s["w"][0], out=s["out"]))),
-                    "base": variant(base[0], base[1], launch_kwargs(cfg, sms)),
-                    "new": variant(new_g, new_t, launch_kwargs(cfg, sms, force))}
-        s0 = sets[0]
-        w0, w1 = (s0["w"][0].double(), s0["w"][1].double()) if gi else (s0["w"][0].double().T, s0["w"][1].double().T)
-        ref = torch.where(mask[:, None], s0["x"].double() @ w1, s0["x"].double() @ w0)
-        errs = {}
-        for v in ("base", "new"):
-            s0["out"].fill_(float("nan"))
-            variants[v](s0)()
-            torch.cuda.synchronize()
-            errs[v] = ((s0["out"].double() - ref).norm() / ref.norm()).item()
-            if not errs[v] < 1e-2:
+            cfg, cfg_force = ct.pick(table, "routed_grad_weight_tma_kernel", "half", M, n=N, k=K), None
+            variants, errs = grad_weight_cell(torch, launch_gather_rows, base[2], new[2], cfg, sms, M, N, K, mask,
+                                              perm, seg)
+        else:
+            gi = path == "gi"
+            cfg = ct.pick(table, "routed_linear_tma_kernel" if gi else "routed_linear_gather_tma_kernel", "half", M,
+                          n=N, k=K, wt=gi)
+            if cfg.get("off"):
+                continue
+            cfg_force = force
+            variants, errs = linear_cell(torch, launch_gather_rows, base, new, cfg, force, sms, gi, M, N, K, mask,
+                                         perm, seg)
+        for v, e in errs.items():
+            if not e < 1e-2:
                 wrong += 1
-                print(f"kernel_ab: {v} is wrong at {path} {name} {proj} M={M} {mk}: relative error {errs[v]:.2e}",
+                print(f"kernel_ab: {v} is wrong at {path} {name} {proj} M={M} {mk}: relative error {e:.2e}",
                       file=sys.stderr)
-        med, _ = interleaved(torch, {k: [make(s) for s in sets] for k, make in variants.items()}, args.rounds)
-        row = dict(path=path, model=name, proj=proj, M=M, N=N, K=K, mask=mk, config=cfg, force=force, us=med,
-                   err=errs)
-        rows.append(row)
+        med, _ = interleaved(torch, variants, args.rounds)
+        rows.append(dict(path=path, model=name, proj=proj, M=M, N=N, K=K, mask=mk, config=cfg, force=cfg_force,
+                         us=med, err=errs))
         print(f"{path:3s} {name:15s} {proj:7s} M={M:5d} {mk:8s} cuBLAS {med['cublas']:8.1f} us  base "
               f"{med['base'] / med['cublas']:.3f}x  new {med['new'] / med['cublas']:.3f}x  new/base "
               f"{med['new'] / med['base']:.3f}", flush=True)

@@ -190,8 +190,8 @@ def launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, db0=None, db1=None, *,
 def launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, *, input_precision="tf32", BN=128, BK=256, BR=32,
                                   GROUP_N=8, num_warps=8, num_stages=5, experts=(0, 1), num_programs=None):
     """dy_pad [M_pad, N], x_pad [M_pad, K] expert-ordered (zero padding rows, e.g. from launch_gather_rows); dw0, dw1
-    contiguous [N, K]. experts: as in launch_routed_grad_weight. num_programs: the persistent grid's size cap (the
-    SMs; None: the device's, or one program per tile under the interpreter)."""
+    contiguous [N, K]. experts: as in launch_routed_grad_weight. num_programs: the persistent grid's size (the SMs,
+    as the C++ launcher runs it), or None for one program per tile, as the linear launchers take it."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     N, K = dw0.shape
     dy_desc = TensorDescriptor.from_tensor(dy_pad, [BR, BN])
@@ -200,10 +200,7 @@ def launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, *, input_precisi
     dw1_desc = TensorDescriptor.from_tensor(dw1, [BN, BK])
     _grad_weight_experts(experts)
     tiles = triton.cdiv(N, BN) * triton.cdiv(K, BK)
-    if num_programs is None and dw0.is_cuda:
-        import torch
-        num_programs = torch.cuda.get_device_properties(dw0.device).multi_processor_count
-    grid = (max(1, min(tiles, num_programs or tiles)), )
+    grid = (min(num_programs or tiles, tiles), )
     routed_grad_weight_tma_kernel[grid](dy_desc, x_desc, seg, dw0_desc, dw1_desc, N, K, sum(1 << e for e in experts),
                                         INPUT_PRECISION=input_precision, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR,
                                         GROUP_N=GROUP_N, num_warps=num_warps, num_stages=num_stages)
