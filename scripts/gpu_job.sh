@@ -50,6 +50,7 @@ TESTS_GPU_PATHS="${TESTS_GPU_PATHS:-tests}"   # what the tests-gpu step runs (fi
 MODEL_ARGS="${MODEL_ARGS:-}"               # extra flags for examples/model_workload.py (e.g. --quick)
 MATRIX_ARGS="${MATRIX_ARGS:-}"             # extra flags for benchmarks/bench_matrix.py (e.g. --ops ffn_fwd --full)
 TRAIN_ARGS="${TRAIN_ARGS:-}"               # extra flags for benchmarks/bench_train_mlp.py (e.g. --ms 8192)
+PROFILE_ARGS="${PROFILE_ARGS:-}"           # extra flags for benchmarks/kernel_times.py (e.g. --only ffn_bwd)
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || { echo "cannot cd to the repository root"; exit 1; }
 REPO="$PWD"
@@ -63,7 +64,7 @@ export FUSED_BUILD_VERBOSE=1  # build.log gets the AOT progress and the compiler
 export PIP_NO_INDEX=1   # no network on the GPU machine: never let pip wait on an index
 export TESTS_GPU_PATHS
 export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS TUNE_RESUME JOB_LOG TESTS_GPU_DESELECT \
-    MODEL_ARGS MATRIX_ARGS
+    MODEL_ARGS MATRIX_ARGS PROFILE_ARGS
 
 SUMMARY=()
 say() { echo "$*" | tee -a "$JOB_LOG"; }
@@ -274,7 +275,7 @@ step_bench_train() {
 
 step_profile() {
     # Per-kernel device times of the routed ops' main cases (benchmarks/kernel_times.py): where the time goes.
-    "$PY" benchmarks/kernel_times.py
+    "$PY" benchmarks/kernel_times.py $PROFILE_ARGS
 }
 
 step_tune() {
