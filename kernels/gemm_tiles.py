@@ -165,15 +165,6 @@ SK_CHUNKS = tl.constexpr(8)  # stream-K: a cut tile is summed in this many colum
 
 
 @triton.jit
-def _sk_worth(r, nprog, ROUNDS: tl.constexpr):
-    """Whether a last round of r tiles (r = tiles mod programs) is shared out: not empty, and at most half full (ROUNDS
-    = 1) or three quarters full (ROUNDS = 2)."""
-    if ROUNDS == 1:
-        return (r > 0) & (2 * r <= nprog)
-    return (r > 0) & (4 * r <= 3 * nprog)
-
-
-@triton.jit
 def _sk_share(pid, nprog, num_tiles, K, BLOCK_K: tl.constexpr, MAX_PARTS: tl.constexpr, ROUNDS: tl.constexpr):
     """Stream-K (a config's "stream_k") of a persistent walk: the whole rounds of tiles, [0, dp), are walked as
     without it (tile pid, pid + nprog, ...), and the K steps of the tiles of the last ROUNDS rounds, [dp, num_tiles)
@@ -193,13 +184,11 @@ def _sk_share(pid, nprog, num_tiles, K, BLOCK_K: tl.constexpr, MAX_PARTS: tl.con
     `parts` pieces on consecutive programs: shares of the exact average length cut most tiles in three, at unequal
     points (H100, two A/B runs, time / the contiguous shares: 0.89-0.95 at 1024-4096 tokens of Qwen2.5-7B's and
     CogVLM2's QKV forward, Llama-3-70B-TP8's grad-input and Llama-3-8B's QKV on one expert; 0.993 over 40 stream-K
-    cells). Nothing is shared (dp = num_tiles) where the last round is empty, or fuller than _sk_worth says: cutting
-    its tiles would cost more than the idle programs it spares (126 tiles of Qwen2.5-7B's down projection at 1024
-    tokens on 132 SMs: 1.14x slower shared). ROUNDS = 2 also shares a last round up to three quarters full, in
-    contiguous shares of about (tiles / programs) tiles' steps: 80 tiles of Llama-3-70B-TP8's QKV forward at 2048
-    tokens on 132 SMs otherwise take 128 K steps on 80 SMs while 52 idle."""
+    cells). Nothing is shared (dp = num_tiles) where the last round is more than half full or empty: cutting its tiles
+    would cost more than the idle programs it spares (126 tiles of Qwen2.5-7B's down projection at 1024 tokens on 132
+    SMs: 1.14x slower shared)."""
     r = num_tiles % nprog
-    dp = tl.where(_sk_worth(r, nprog, ROUNDS), tl.maximum(num_tiles // nprog - (ROUNDS - 1), 0) * nprog, num_tiles)
+    dp = tl.where((r > 0) & (2 * r <= nprog), tl.maximum(num_tiles // nprog - (ROUNDS - 1), 0) * nprog, num_tiles)
     kit = tl.cdiv(K, BLOCK_K)
     shared = num_tiles - dp
     per = tl.maximum(tl.cdiv(shared * kit, nprog), tl.cdiv(kit, MAX_PARTS))

@@ -544,16 +544,15 @@ def test_split_tail_slices(path, parts, kind):
 
 
 @pytest.mark.parametrize("path", ["tma", "tma_grad_input", "tma_expert_ordered", "gather_tma", "gather_tma_routes"])
-@pytest.mark.parametrize("grid, rounds", [("few", 1), ("many", 1), ("few", 2), ("wide", 2), ("full", 1)])
+@pytest.mark.parametrize("grid, rounds", [("few", 1), ("many", 1), ("few", 2), ("full", 1)])
 @pytest.mark.parametrize("kind", ["random", "span", "all_true"])
 def test_stream_k(path, grid, rounds, kind, monkeypatch):
     """STREAM_K (a config's "stream_k") on both linear TMA kernels: the K steps of the last `rounds` rounds' tiles
     shared out over the programs, so that tiles are cut into pieces whose partial sums go through the workspace and are
     summed by the programs holding the tile's pieces. grid "few": the fewest programs (4 or more) whose last round is
     at most half full (with 2 rounds a share is then longer than a tile: some hold a whole tile between two pieces);
-    "many": twice the tiles, one round half full; "wide" (2 rounds only): the fewest programs whose last round is more
-    than half and at most three quarters full, shared in contiguous shares that cut tiles at unequal points; "full":
-    one program more than the tiles, a round all but one program busy, which is not shared (every tile whole). The workspace starts as NaN (a partial read before it was
+    "many": twice the tiles, one round half full; "full": one program more than the tiles, a round all but one program
+    busy, which is not shared (every tile whole). The workspace starts as NaN (a partial read before it was
     written shows), the flags must be zero again after the launch, the output is NaN-poisoned with a wider row stride
     (bias and residual on the forward paths), and a second launch gives the same bits (the fixed order of the sums)."""
     import kernels.gemm_gather_tma as ggt
@@ -583,7 +582,6 @@ def test_stream_k(path, grid, rounds, kind, monkeypatch):
     row_tiles = int(seg[2]) // T["BM"] if path == "tma_expert_ordered" else sum(-(-int(c) // T["BM"]) for c in seg[3:])
     tiles = row_tiles * -(-n_out // T["BN"])
     programs = {"few": next((p for p in range(4, tiles) if 0 < 2 * (tiles % p) <= p), None), "many": 2 * tiles,
-                "wide": next((p for p in range(4, 2 * tiles) if p < 2 * (tiles % p) and 4 * (tiles % p) <= 3 * p), None),
                 "full": tiles + 1}[grid]
     assert programs is not None, tiles
 
