@@ -51,6 +51,7 @@ MODEL_ARGS="${MODEL_ARGS:-}"               # extra flags for examples/model_work
 MATRIX_ARGS="${MATRIX_ARGS:-}"             # extra flags for benchmarks/bench_matrix.py (e.g. --ops ffn_fwd --full)
 TRAIN_ARGS="${TRAIN_ARGS:-}"               # extra flags for benchmarks/bench_train_mlp.py (e.g. --ms 8192)
 PROFILE_ARGS="${PROFILE_ARGS:-}"           # extra flags for benchmarks/kernel_times.py (e.g. --only ffn_bwd)
+PDL_ARGS="${PDL_ARGS:-}"                   # extra flags for benchmarks/bench_pdl.py (step pdl, e.g. --rounds 7)
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || { echo "cannot cd to the repository root"; exit 1; }
 REPO="$PWD"
@@ -64,7 +65,7 @@ export FUSED_BUILD_VERBOSE=1  # build.log gets the AOT progress and the compiler
 export PIP_NO_INDEX=1   # no network on the GPU machine: never let pip wait on an index
 export TESTS_GPU_PATHS
 export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS TUNE_RESUME JOB_LOG TESTS_GPU_DESELECT \
-    MODEL_ARGS MATRIX_ARGS PROFILE_ARGS
+    MODEL_ARGS MATRIX_ARGS PROFILE_ARGS PDL_ARGS
 
 SUMMARY=()
 say() { echo "$*" | tee -a "$JOB_LOG"; }
@@ -273,6 +274,12 @@ step_bench_train() {
     "$PY" benchmarks/bench_train_mlp.py --out "$OUT/train_mlp" $TRAIN_ARGS
 }
 
+step_pdl() {
+    # Programmatic dependent launch on / off in alternating rounds (benchmarks/bench_pdl.py): what it saves or costs per
+    # routed case.
+    "$PY" benchmarks/bench_pdl.py --out "$OUT" $PDL_ARGS
+}
+
 step_profile() {
     # Per-kernel device times of the routed ops' main cases (benchmarks/kernel_times.py): where the time goes.
     "$PY" benchmarks/kernel_times.py $PROFILE_ARGS
@@ -297,7 +304,7 @@ step_tune() {
     done
 }
 
-export -f step_matrix step_sanitizer step_tune step_profile step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
+export -f step_pdl step_matrix step_sanitizer step_tune step_profile step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
     step_bench_ffn step_cpp step_bench_train
 
 has_bench() { [[ " $BENCHES " == *" $1 "* ]]; }
@@ -332,6 +339,7 @@ has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/
 has_step bench-linear && run_step bench-linear "$ROUTED_BENCH_S" $(( 15 + ROUTED_AFTER_LINEAR )) "$OUT/bench_routed.log" 1 step_bench_linear_dual
 has_step bench-ffn && run_step bench-ffn "$ROUTED_BENCH_S" 15 "$OUT/bench_routed.log" 1 step_bench_ffn
 has_step bench-train && run_step bench-train "${TRAIN_S:-240}" 0 "$OUT/bench_train.log" 1 step_bench_train
+has_step pdl && run_step pdl       "${PDL_S:-150}"  0    "$OUT/bench_routed.log" 1     step_pdl
 has_step profile && run_step profile   90    0    "$OUT/bench_routed.log" 1     step_profile
 has_step tune && run_step tune   "$TUNE_S"    5    "$OUT/bench_routed.log" 1     step_tune
 has_step matrix && run_step matrix "${MATRIX_S:-400}" 0   "$OUT/matrix.log"       1     step_matrix
