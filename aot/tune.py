@@ -108,7 +108,10 @@ _TMA_SWIGLU = [((128, 128, 64), 8, 8, 3), ((128, 128, 64), 8, 8, 4), ((128, 64, 
                ((128, 64, 64), 8, 8, 4), ((64, 64, 64), 8, 4, 4), ((64, 32, 128), 8, 4, 4),
                ((64, 32, 64), 8, 4, 6), ((128, 32, 64), 8, 4, 4), ((64, 64, 128), 8, 4, 4),
                ((16, 64, 128), 8, 4, 4), ((16, 64, 128), 8, 4, 6), ((16, 128, 64), 8, 4, 6),
-               ((32, 64, 128), 8, 4, 4), ((128, 128, 64), 8, 8, 3, True), ((128, 128, 64), 8, 8, 4, True)]
+               ((32, 64, 128), 8, 4, 4), ((128, 128, 64), 8, 8, 3, True), ((128, 128, 64), 8, 8, 4, True),
+               # 64-row tiles with wide N: twice the programs of 128-row tiles at small m, where a narrow
+               # intermediate (a tensor-parallel slice's I) leaves 128 x 128 tiles short of the SMs
+               ((64, 128, 64), 8, 4, 4), ((64, 128, 64), 8, 4, 5)]
 # grad-weight (persistent: its epilogues overlap the next tile's loads, so deeper pipelines and 128-wide tiles have
 # more to gain than in the one-tile-per-program kernel the first six were chosen for)
 _TMA_GRAD_W = [((128, 256, 32), 8, 8, 5), ((128, 256, 32), 8, 8, 6), ((128, 256, 64), 8, 8, 3),

@@ -628,15 +628,16 @@ def test_down_split_last_round(gpu_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16, 17, 64, 65, 128, 4096, 4097])
+@pytest.mark.parametrize("M", [1, 16, 17, 64, 65, 128, 500, 4096, 4097])
 @pytest.mark.parametrize("experts", ["dual", "single"])
 def test_routing_sizes(gpu_device, M, experts):
     """Token counts on both sides of the routing and config sizes: up to 64 rows the dual gate/up gathers x inside and
     routes the mask in its own programs (sm_90 table), above that x is gathered first: up to 4096 rows by a gather
     that routes the mask itself (route_gather_rows_kernel), above by the gather after the two routing kernels. The
     single expert's forward has no routing on sm_90, and its backward reads x and dy in place when M is a multiple
-    of 128 (128, 4096) and gathers them otherwise. bf16, a fresh random mask, NaN-poisoned allocator, forward and
-    every gradient."""
+    of 128 (128, 4096) and gathers them otherwise. 500 rows: the 64-row gate/up tiles of the sm_90 table's narrow
+    intermediate class (I = 96 <= 4096) at 385-512 rows. bf16, a fresh random mask, NaN-poisoned allocator, forward
+    and every gradient."""
     H, I = 128, 96  # noqa: E741
     dual = experts == "dual"
     x = strided_view((M,), H, torch.bfloat16, gpu_device)
