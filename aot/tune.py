@@ -45,6 +45,7 @@ then rebuild (`bash scripts/retune.sh` does both). What it does:
   at some m.
   --offline redoes this from a result file without a GPU. --keep OLD.jsonl adds an earlier run's measurements of the
   m this run does not measure, so a partial re-tune (say --ms 1,4,16,64) rewrites the whole bucket list.
+  --device picks one device's records of a file that holds several (sm90.measurements.jsonl: H100 and H200 runs).
 """
 import argparse
 import datetime
@@ -918,13 +919,16 @@ def main():
                         "offline with the earlier measurements")
     p.add_argument("--offline", action="store_true",
                    help="measure nothing: rebuild the report and --write from the --results file (no GPU needed)")
+    p.add_argument("--device", default=None,
+                   help="--offline: the device whose records to use (default: the first record's): one results file "
+                        "may hold several devices' runs, and a run's random masks and clocks are its own")
     a = p.parse_args()
     if a.offline:
         if not (a.results and os.path.exists(a.results)):
             raise SystemExit("aot.tune --offline: give the --results file to read")
         with open(a.results) as f:
             first = json.loads(f.readline())
-        cc, device = first["cc"], first["device"]
+        cc, device = first["cc"], a.device or first["device"]
     elif not torch.cuda.is_available():
         raise SystemExit("aot.tune: needs a CUDA GPU (it times kernels on the local device)")
     else:

@@ -175,7 +175,8 @@ def test_a_retune_without_classes_keeps_the_tables_classes():
     table = ct.load(90)
     assert set(tune.table_classes(table, [K, "routed_linear_gather_tma_kernel"])) >= {(2048, None, None),
                                                                                       (None, 1024, None)}
-    assert tune.table_classes(table, ["routed_swiglu_tma_kernel"]) == []
+    assert tune.table_classes(table, ["routed_swiglu_tma_kernel"]) == [(4096, None, None)]
+    assert tune.table_classes(table, ["routed_grad_weight_tma_kernel"]) == [(2048, None, None)]
 
 
 def test_classes_are_parsed_narrow_first():
@@ -251,18 +252,26 @@ def test_a_later_pass_times_without_checking_first():
 
 
 def test_the_shipped_sm90_table_is_what_its_measurements_give():
-    """aot/configs/sm90.json's entries are the offline re-tune of aot/configs/sm90.measurements.jsonl by the --offline
-    command in its origin, starting from the table itself: the shipped table is reproducible from the raw log (and the
-    re-tune is stable: no config within the keep margin flips)."""
+    """aot/configs/sm90.json's entries are the offline re-tunes of aot/configs/sm90.measurements.jsonl by the --offline
+    commands in its origin, applied in order starting from the table itself (each to the table the one before it
+    wrote; one command per device's run: the file holds H100 and H200 records): the shipped table is reproducible
+    from the raw log (and the re-tunes are stable: no config within the keep margin flips)."""
     table = ct.load(90)
-    cmd = [shlex.split(q) for q in table["origin"].split("`") if q.startswith("python -m aot.tune --offline")][0]
-    arg = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
-    ops, ms = arg("--ops").split(","), sorted(int(m) for m in arg("--ms").split(","))
-    results = os.path.join(ROOT, arg("--results"))
-    device = json.loads(open(results).readline())["device"]
-    done = tune.restrict(tune.load_results(results, device), ops, ms, tune.model_names(arg("--models")), 90,
-                         "--grad-input" in cmd)
-    new = tune.write_table("/dev/null", table, done, ops, ms, 90, device, [], tune.parse_classes(arg("--classes")))
+    cmds = [shlex.split(q) for q in table["origin"].split("`") if q.startswith("python -m aot.tune --offline")]
+    assert len(cmds) >= 2, "the H100 re-tune and the H200 ones"
+    new = table
+    for cmd in cmds:
+        arg = lambda name, cmd=cmd: cmd[cmd.index(name) + 1] if name in cmd else None  # noqa: E731
+        ops, ms = arg("--ops").split(","), sorted(int(m) for m in arg("--ms").split(","))
+        results = os.path.join(ROOT, arg("--results"))
+        device = arg("--device") or json.loads(open(results).readline())["device"]
+        done = tune.restrict(tune.load_results(results, device), ops, ms, tune.model_names(arg("--models")), 90,
+                             "--grad-input" in cmd)
+        assert done, f"no {device} records for {cmd}"
+        kernels = [tune.kernels_for(90)[o][0] for o in ops]
+        classes = (tune.parse_classes(arg("--classes")) if arg("--classes") is not None
+                   else tune.table_classes(new, kernels))
+        new = tune.write_table("/dev/null", new, done, ops, ms, 90, device, [], classes)
     assert new["kernels"] == table["kernels"]
 
 
