@@ -7,9 +7,8 @@ For the routed benchmarks' main cases (bf16): linear_dual forward and backward a
 4096, H = 4096, I = 11008 (dual with a random mask, single), ffn decode steps (M = 1 and 16, single and dual, Llama-2
 7B sizes). `--only ffn_bwd`: ffn_backward with gate and up saved at M = 8192 / 2048, H = 4096, I = 14336, beside the
 matrix's anchor, the six cuBLAS GEMMs per expert; `--only linear_decode`: linear_dual at M = 1 and 16 with and
-without the decode GEMM. Per case: each
-kernel's mean device time per op call, and their sum next to the op's wall time per call measured with CUDA events
-over back-to-back calls (the difference is the gaps between kernels). The kernel table is taken with programmatic
+without the decode GEMM. Per case: each kernel's mean device time per op call, and their sum next to the op's wall
+time per call measured with CUDA events over back-to-back calls (the difference is the gaps between kernels). The kernel table is taken with programmatic
 dependent launch off: with it on, a kernel starts early and waits for its predecessor, and the profiler counts that
 wait as its duration. The wall time is given both ways. Two experts' weights are views of one [2, R, C] tensor (the
 zero-copy layout of DualExpertSwiGLU / DualLinear). No targets: information for docs/perf.md. Exit 2 without CUDA.
@@ -141,7 +140,7 @@ def main(argv=None) -> int:
             ops_e = [(rnd(n, Hb), rnd(n, Ib), rnd(n, 2 * Ib), torch.cat([w1, w3]), w2) for n in ns if n]
 
             def anchor():  # per expert: dh = g·W2, dW2 = gᵀ·h, dx = [dgate dup]·[W1; W3], [dW1; dW3] = [dgate dup]ᵀ·x
-                for ge, he, d13, w13, w2e in ops_e:
+                for ge, he, d13, w13, w2e in ops_e:  # (ge also stands in for x_e: the same shape)
                     torch.mm(ge, w2e), torch.mm(ge.t(), he), torch.mm(d13, w13), torch.mm(d13.t(), ge)
             run(f"cuBLAS anchor of the above: six GEMMs per expert (rows {ns})", anchor)
     if "decode" in only:
