@@ -8,9 +8,9 @@ For the routed benchmarks' main cases (bf16): linear_dual forward and backward a
 7B sizes). `--only ffn_bwd`: ffn_backward with gate and up saved at M = 8192 / 2048, H = 4096, I = 14336, beside the
 matrix's anchor, the six cuBLAS GEMMs per expert; `--only linear_decode`: linear_dual at M = 1 and 16 with and
 without the decode GEMM. Per case: each kernel's mean device time per op call, and their sum next to the op's wall
-time per call measured with CUDA events over back-to-back calls (the difference is the gaps between kernels). The kernel table is taken with programmatic
-dependent launch off: with it on, a kernel starts early and waits for its predecessor, and the profiler counts that
-wait as its duration. The wall time is given both ways. Two experts' weights are views of one [2, R, C] tensor (the
+time per call measured with CUDA events over back-to-back calls (the difference is the gaps between kernels). The
+kernel table is taken with programmatic dependent launch off: with it on, a kernel starts early and waits for its
+predecessor, and the profiler counts that wait as its duration. The wall time is given both ways. Two experts' weights are views of one [2, R, C] tensor (the
 zero-copy layout of DualExpertSwiGLU / DualLinear). No targets: information for docs/perf.md. Exit 2 without CUDA.
 """
 from __future__ import annotations
