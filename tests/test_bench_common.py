@@ -50,3 +50,18 @@ def test_programmatic_launch_restores_the_setting(monkeypatch):
     with common.programmatic_launch(False):
         assert state["on"] is False
     assert state["on"] is True
+
+
+def test_matrix_cells_draw_their_own_masks():
+    """benchmarks/bench_matrix.py seeds each cell's generator from its shape, M and mask: a cell gets the same mask
+    whichever cells ran before it (a run of a few ops measures the cells of a full run), and two cells differ."""
+    import torch
+
+    import bench_matrix as bm
+
+    def mask(shape, M):
+        return bm.make_mask("rand50", M, bm.cell_generator(shape, M, "rand50"), "cpu")
+    first = mask("llama3-8b.qkv", 256)
+    mask("llama3-8b.o", 1024)  # another cell's draws in between
+    assert torch.equal(mask("llama3-8b.qkv", 256), first)
+    assert not torch.equal(mask("llama3-8b.o", 256), first)
