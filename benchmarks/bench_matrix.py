@@ -587,7 +587,7 @@ def main(argv=None):
     copy_gbps = copy_bandwidth(1 << 30)
     floor_ms = launch_floor_ms(dev)
     meta = {"device": device_name(), "torch": torch.__version__, "copy_gbps": copy_gbps, "floor_us": floor_ms * 1e3,
-            "full": a.full}
+            "full": a.full, "cell_masks": True}  # cell_masks: each cell seeds its own mask (cell_generator)
     print(f"bench_matrix: {meta['device']}, copy {copy_gbps:.0f} GB/s, launch floor {floor_ms * 1e3:.1f} us",
           flush=True)
     cells, host = [], {}
