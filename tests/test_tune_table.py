@@ -289,3 +289,27 @@ def test_the_shipped_rope_configs_are_what_their_measurements_give():
     new = tune.write_table("/dev/null", table, done, ["rope"], [1], 90, recs[0]["device"], [])
     assert new["kernels"]["rope_kernel"] == table["kernels"]["rope_kernel"]
     assert [e.get("max_n") for e in new["kernels"]["rope_kernel"]["all"]] == [16, None]
+
+
+def test_offline_device_picks_that_devices_records(tmp_path):
+    """`aot.tune --offline --device NAME`: a results file with two cards' runs is re-tuned from NAME's records only
+    (without --device, from the first record's card)."""
+    import subprocess
+    recs = []
+    for shape in tune.shapes("linear", [16], tune.model_names("7b"), False):
+        for dev, fast in (("GPU X", A), ("GPU Y", B)):
+            for cfg in (A, B):
+                r = _rec(16, shape[1], cfg, 1.0 if cfg == fast else 2.0, dev=dev, k=shape[2])
+                r["shape"] = tune.shape_str("linear", shape)
+                recs.append(r)
+    results = tmp_path / "r.jsonl"
+    results.write_text("\n".join(json.dumps(r) for r in recs))
+    for device, want in ((None, A), ("GPU Y", B)):
+        out = tmp_path / "t.json"
+        cmd = [sys.executable, "-m", "aot.tune", "--offline", "--results", str(results), "--ops", "linear",
+               "--ms", "16", "--models", "7b", "--classes", "", "--write", str(out)]
+        r = subprocess.run(cmd + (["--device", device] if device else []), cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        new = json.loads(out.read_text())
+        assert ct.cfg_str(ct.pick(new, K, "half", 16, 4096, 4096)) == want, device
