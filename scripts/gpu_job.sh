@@ -15,7 +15,9 @@
 #                    CMake build, ctest of examples/cpp on CPU and CUDA, the installed package's consumer)
 #   model.log, model/  the main job (examples/model_workload.py): its table, model_workload.json / .png
 #   bench_rope.log   benchmark output; bench_rope.json all its numbers, bench_rope.md its table, rope_sweep.png
-#   bench_routed.log benchmarks/bench_linear_dual.py then benchmarks/bench_ffn.py (tables and PASS/FAIL targets)
+#   bench_routed.log benchmarks/bench_linear_dual.py then benchmarks/bench_ffn.py (tables and PASS/FAIL targets); the
+#                    steps pdl (benchmarks/bench_pdl.py, also bench_pdl.json), profile (benchmarks/kernel_times.py,
+#                    PROFILE_ARGS) and tune (python -m aot.tune, TUNE_ARGS: tune_sm<cc>.jsonl and sm<arch>.json)
 #   matrix.log, matrix/  benchmarks/bench_matrix.py: matrix.json / .md / .png
 #   bench_train.log, train_mlp/  benchmarks/bench_train_mlp.py (step bench-train): the MLP training step
 #
