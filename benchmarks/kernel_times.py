@@ -5,13 +5,14 @@
 
 For the routed benchmarks' main cases (bf16): linear_dual forward and backward at M = K = N = 4096, ffn forward at M =
 4096, H = 4096, I = 11008 (dual with a random mask, single), ffn decode steps (M = 1 and 16, single and dual, Llama-2
-7B sizes). `--only ffn_bwd`: ffn_backward with gate and up saved at M = 8192 / 2048, H = 4096, I = 14336, beside the
-matrix's anchor, the six cuBLAS GEMMs per expert; `--only linear_decode`: linear_dual at M = 1 and 16 with and
-without the decode GEMM. Per case: each kernel's mean device time per op call, and their sum next to the op's wall
-time per call measured with CUDA events over back-to-back calls (the difference is the gaps between kernels). The
-kernel table is taken with programmatic dependent launch off: with it on, a kernel starts early and waits for its
-predecessor, and the profiler counts that wait as its duration. The wall time is given both ways. Two experts' weights are views of one [2, R, C] tensor (the
-zero-copy layout of DualExpertSwiGLU / DualLinear). No targets: information for docs/perf.md. Exit 2 without CUDA.
+7B sizes). `--only ffn_bwd`: the matrix's ffn_bwd cells (benchmarks/bench_matrix.py ffn_cell: ffn_backward with gate
+and up saved, and its anchor, the six cuBLAS GEMMs per expert) at M = 8192 / 2048, H = 4096, I = 14336; `--only
+linear_decode`: linear_dual at M = 1 and 16 with and without the decode GEMM. Per case: each kernel's mean device
+time per op call, and their sum next to the op's wall time per call measured with CUDA events over back-to-back calls
+(the difference is the gaps between kernels). The kernel table is taken with programmatic dependent launch off: with
+it on, a kernel starts early and waits for its predecessor, and the profiler counts that wait as its duration. The
+wall time is given both ways. Two experts' weights are views of one [2, R, C] tensor (the zero-copy layout of
+DualExpertSwiGLU / DualLinear). No targets: information for docs/perf.md. Exit 2 without CUDA.
 """
 from __future__ import annotations
 
@@ -122,27 +123,13 @@ def main(argv=None) -> int:
     if "ffn" in only:
         ffn_case("ffn dual fwd M=4096 rand50", 4096, True)
         ffn_case("ffn single fwd M=4096", 4096, False)
-    if "ffn_bwd" in only:  # the training backward (gate and up saved) beside the six cuBLAS GEMMs it needs, per expert
-        Hb, Ib = 4096, 14336
+    if "ffn_bwd" in only:  # the training backward (gate and up saved) beside the matrix's anchor: its ffn_bwd cell
+        from bench_matrix import ffn_cell
         for M, kind in ((8192, "rand50"), (8192, "span"), (2048, "rand50")):
-            x, g = rnd(M, Hb), rnd(M, Hb)
-            g13, d2 = rnd(2, 2, Ib, Hb, scale=Hb ** -0.5), rnd(2, Hb, Ib, scale=Ib ** -0.5)
-            w1, w3, w2, u1, u3, u2 = g13[0, 1], g13[1, 1], d2[1], g13[0, 0], g13[1, 0], d2[0]
-            if kind == "span":  # one image span of 28% of the tokens after a short text prefix
-                mask = torch.zeros(M, dtype=torch.bool, device=dev)
-                mask[M // 16:M // 16 + round(0.28 * M)] = True
-            else:
-                mask = torch.rand(M, generator=gen, device=dev) < 0.5
-            gate_up = ops.ffn_forward(x, w1, w3, w2, mask, u1, u3, u2)[1]
-            run(f"ffn_backward M={M} H={Hb} I={Ib} {kind} (gate and up saved)",
-                lambda: ops.ffn_backward(g, x, w1, w3, w2, mask, u1, u3, u2, gate_up=gate_up))
-            ns = [int(mask.sum()), M - int(mask.sum())]
-            ops_e = [(rnd(n, Hb), rnd(n, Ib), rnd(n, 2 * Ib), torch.cat([w1, w3]), w2) for n in ns if n]
-
-            def anchor():  # per expert: dh = g·W2, dW2 = gᵀ·h, dx = [dgate dup]·[W1; W3], [dW1; dW3] = [dgate dup]ᵀ·x
-                for ge, he, d13, w13, w2e in ops_e:  # (ge also stands in for x_e: the same shape)
-                    torch.mm(ge, w2e), torch.mm(ge.t(), he), torch.mm(d13, w13), torch.mm(d13.t(), ge)
-            run(f"cuBLAS anchor of the above: six GEMMs per expert (rows {ns})", anchor)
+            cell = ffn_cell("ffn_bwd", 4096, 14336, M, kind, dev, torch.Generator().manual_seed(M))
+            args = cell.arg_sets[0]
+            run(f"ffn_backward M={M} H=4096 I=14336 {kind} (gate and up saved)", lambda: cell.fn(*args))
+            run("cuBLAS anchor of the above: six GEMMs per expert", lambda: cell.anchor(*args))
     if "decode" in only:
         for M in (1, 16):
             ffn_case(f"ffn decode single M={M}", M, False)

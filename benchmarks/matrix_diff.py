@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_matrix import geomean  # noqa: E402
 
 RANGES = (("M <= 64", 0, 64), ("256-2048", 65, 2048), ("4096+", 4096, 1 << 40))
 
@@ -31,10 +34,6 @@ def _time_ratio(old, new):
     if not a or not b or old.get("kind") != new.get("kind"):
         return None
     return b / a if new["kind"] in ("ratio_to_cublas",) else a / b
-
-
-def _geomean(xs):
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def compare(old: dict, new: dict, ops=None):
@@ -52,8 +51,8 @@ def compare(old: dict, new: dict, ops=None):
         out.setdefault((k[0], news[k]["kind"]), {"cells": []})["cells"].append((k, r))
     for v in out.values():
         rs = [r for _, r in v["cells"]]
-        v["geomean"] = _geomean(rs)
-        v["ranges"] = {name: _geomean([r for (_, _, m, _), r in v["cells"] if lo <= m <= hi])
+        v["geomean"] = geomean(rs)
+        v["ranges"] = {name: geomean([r for (_, _, m, _), r in v["cells"] if lo <= m <= hi])
                        for name, lo, hi in RANGES}
     only = (sorted(olds.keys() - news.keys()), sorted(news.keys() - olds.keys()))
     return out, only
