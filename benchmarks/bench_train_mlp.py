@@ -282,7 +282,7 @@ def main(argv=None):
             entry = {"M": M, "mask": kind, "vision": int(mask.sum()), "impls": rows}
             results["dual"].append(entry)
             print(f"[train_mlp] dual M={M} {kind}: " + ", ".join(
-                f"{n} {r.get('ms', float('nan')):.3f} ms / {r.get('peak_mib', float('nan')):.0f} MiB"
+                f"{n} {r.get('ms', float('nan')):.3f} ms" + (f" / {r['peak_mib']:.0f} MiB" if 'peak_mib' in r else "")
                 + (f" ERROR {r['error']}" if "error" in r else "") for n, r in rows.items()), flush=True)
         args = [(x, w1e, g) for x, g in zip(xs, gs)]
         ref = ref_grads(xs[0], None, w1e, gs[0])
@@ -292,7 +292,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
         results["single"].append({"M": M, "impls": rows})
         print(f"[train_mlp] single M={M}: " + ", ".join(
-            f"{n} {r.get('ms', float('nan')):.3f} ms / {r.get('peak_mib', float('nan')):.0f} MiB"
+            f"{n} {r.get('ms', float('nan')):.3f} ms" + (f" / {r['peak_mib']:.0f} MiB" if 'peak_mib' in r else "")
             + (f" ERROR {r['error']}" if "error" in r else "") for n, r in rows.items()), flush=True)
         del xs, gs
         torch.cuda.empty_cache()
