@@ -887,10 +887,8 @@ def report(done, ops, ms_list, table, cc, classes=()):
                   f"{cb or float('nan'):.4f} |")
 
 
-def main():
-    # Measure compiled kernels: an inherited TRITON_INTERPRET=1 would time the CPU interpreter. (Only here, not at
-    # import: tests import this module next to interpreter tests in one process.)
-    os.environ.pop("TRITON_INTERPRET", None)
+def parser():
+    """The command line of `python -m aot.tune` (its module doc says what each option does)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="linear,swiglu,grad_weight,rope")
     p.add_argument("--ms", default="1,16,64,256,1024,4096,16384", help="token counts (m buckets) to measure")
@@ -922,40 +920,73 @@ def main():
     p.add_argument("--device", default=None,
                    help="--offline: the device whose records to use (default: the first record's): one results file "
                         "may hold several devices' runs, and a run's random masks and clocks are its own")
-    a = p.parse_args()
+    return p
+
+
+def offline_device(a):
+    """(cc, device) of an --offline run: the results file's first record's, or --device's records."""
+    with open(a.results) as f:
+        first = json.loads(f.readline())
+    return first["cc"], a.device or first["device"]
+
+
+def selection(a, cc, table):
+    """What a parsed command line asks for: (ops, models, the sorted m list, shape classes); the classes default to
+    those `table` already has for the ops' kernels."""
+    ops = [o for o in a.ops.split(",") if o]
+    known = set(kernels_for(cc))
+    if set(ops) - known:
+        raise SystemExit(f"aot.tune: unknown --ops {sorted(set(ops) - known)} (here: {', '.join(sorted(known))})")
+    classes = (parse_classes(a.classes) if a.classes is not None
+               else table_classes(table, [kernels_for(cc)[o][0] for o in ops]))
+    return ops, model_names(a.models), sorted(int(m) for m in a.ms.split(",")), classes
+
+
+def measurements(a, done, ops, ms_list, models, cc, device):
+    """The records that decide the winners: `done` restricted to what the command line asks for, with --keep's
+    records of the m not measured now. Returns (records, m list)."""
+    done = restrict(done, ops, ms_list, models, cc, a.grad_input)
+    if a.keep:
+        done, ms_list = merge_kept(done, load_results(a.keep, device), ms_list, {kernels_for(cc)[o][0] for o in ops})
+    return done, ms_list
+
+
+def offline_retune(argv, table, write="/dev/null"):
+    """(the table `python -m aot.tune ARGV` writes, its records) for an --offline ARGV, starting from `table` instead
+    of the shipped one and writing to `write`, not ARGV's --write: the shipped table's origin commands, chained."""
+    a = parser().parse_args(argv)
+    cc, device = offline_device(a)
+    ops, models, ms_list, classes = selection(a, cc, table)
+    done, ms_list = measurements(a, load_results(a.results, device), ops, ms_list, models, cc, device)
+    return write_table(write, table, done, ops, ms_list, cc, device, argv, classes), done
+
+
+def main(argv=None):
+    # Measure compiled kernels: an inherited TRITON_INTERPRET=1 would time the CPU interpreter. (Only here, not at
+    # import: tests import this module next to interpreter tests in one process.)
+    os.environ.pop("TRITON_INTERPRET", None)
+    a = parser().parse_args(argv)
     if a.offline:
         if not (a.results and os.path.exists(a.results)):
             raise SystemExit("aot.tune --offline: give the --results file to read")
-        with open(a.results) as f:
-            first = json.loads(f.readline())
-        cc, device = first["cc"], a.device or first["device"]
+        cc, device = offline_device(a)
     elif not torch.cuda.is_available():
         raise SystemExit("aot.tune: needs a CUDA GPU (it times kernels on the local device)")
     else:
         major, minor = torch.cuda.get_device_capability(0)
         cc, device = major * 10 + minor, torch.cuda.get_device_name(0)
-    ops = [o for o in a.ops.split(",") if o]
-    known = set(kernels_for(cc))
-    if set(ops) - known:
-        raise SystemExit(f"aot.tune: unknown --ops {sorted(set(ops) - known)} (here: {', '.join(sorted(known))})")
-    models = model_names(a.models)
-    ms_list = sorted(int(m) for m in a.ms.split(","))
-    arch = table_arch(cc)
-    table = ct.load(arch)
-    classes = (parse_classes(a.classes) if a.classes is not None
-               else table_classes(table, [kernels_for(cc)[o][0] for o in ops]))
+    table = ct.load(table_arch(cc))
+    ops, models, ms_list, classes = selection(a, cc, table)
     results = a.results or f"tune_sm{cc}.jsonl"
     if a.offline:
         done = load_results(results, device)
     else:
         done = search(ops, ms_list, models, results, a.rep, a.budget_s, table, cc, a.passes, a.grad_input,
                       a.configs)
-    done = restrict(done, ops, ms_list, models, cc, a.grad_input)
-    if a.keep:
-        done, ms_list = merge_kept(done, load_results(a.keep, device), ms_list, {kernels_for(cc)[o][0] for o in ops})
+    done, ms_list = measurements(a, done, ops, ms_list, models, cc, device)
     report(done, ops, ms_list, table, cc, classes)
     if a.write:
-        write_table(a.write, table, done, ops, ms_list, cc, device, sys.argv[1:], classes)
+        write_table(a.write, table, done, ops, ms_list, cc, device, sys.argv[1:] if argv is None else argv, classes)
 
 
 if __name__ == "__main__":
