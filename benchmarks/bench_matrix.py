@@ -235,6 +235,24 @@ def linear_cell(op, K, N, M, mask_kind, dev, gen):
     return Cell(fn, anchor, arg_sets, check, flops=4.0 * M * N * K)
 
 
+def ffn_anchor(rows, w13, w2, dev, dt, backward):
+    """The cuBLAS anchor of the ffn's cells, a callable (its arguments ignored): per expert e with n tokens (rows: [(e,
+    n)]), its GEMMs over n contiguous random rows, with its gate and up weights concatenated (w13[e] [2I, H], w2[e]
+    [H, I]): the forward's gate/up (one GEMM of 2I columns) and down; or (backward) dh = g·W2, dW2 = gᵀ·h,
+    dx = [dgate dup]·[W1; W3] and [dW1; dW3] = [dgate dup]ᵀ·x. benchmarks/bench_train_mlp.py's GEMM floor is the two."""
+    import torch
+    import torch.nn.functional as F
+    H, I = w2[rows[0][0]].shape if rows else (0, 0)  # noqa: E741
+    xe = {e: torch.randn(n, H, device=dev, dtype=dt) for e, n in rows}
+    if not backward:
+        return lambda *_: [F.linear(F.linear(xe[e], w13[e])[:, :I], w2[e]) for e, _ in rows]
+    ge = {e: torch.randn(n, H, device=dev, dtype=dt) for e, n in rows}
+    he = {e: torch.randn(n, I, device=dev, dtype=dt) for e, n in rows}
+    d13 = {e: torch.randn(n, 2 * I, device=dev, dtype=dt) for e, n in rows}
+    return lambda *_: [(torch.mm(ge[e], w2[e]), torch.mm(ge[e].t(), he[e]), torch.mm(d13[e], w13[e]),
+                        torch.mm(d13[e].t(), xe[e])) for e, _ in rows]
+
+
 def ffn_cell(op, H, I, M, mask_kind, dev, gen):  # noqa: E741
     import torch
     import torch.nn.functional as F
@@ -273,11 +291,8 @@ def ffn_cell(op, H, I, M, mask_kind, dev, gen):  # noqa: E741
     rows = [(e, r.numel()) for e, r in expert_rows(mask)]
     w13 = {e: torch.cat([ws[0][0][e], ws[0][1][e]]) for e, _ in rows}
     w2e = {e: ws[0][2][e] for e, _ in rows}
-    xe = {e: torch.randn(n, H, device=dev, dtype=dt) for e, n in rows}
+    anchor = ffn_anchor(rows, w13, w2e, dev, dt, backward=op == "ffn_bwd")
     if op == "ffn_fwd":
-        def anchor(x, w):
-            return [F.linear(F.linear(xe[e], w13[e])[:, :I], w2e[e]) for e, _ in rows]
-
         def one_expert(x, w):  # decode: the eager MLP's three GEMMs on one expert's weights (no activation)
             y = F.linear(x, w13[rows[0][0]])
             return F.linear(y[:, :I], w2e[rows[0][0]])
@@ -288,10 +303,6 @@ def ffn_cell(op, H, I, M, mask_kind, dev, gen):  # noqa: E741
         return Cell(call, one_expert if decode else anchor, arg_sets, check, weight_bytes=experts_used * wbytes,
                     flops=6.0 * M * H * I, decode=decode, one_expert_bytes=wbytes)
 
-    ge = {e: torch.randn(n, H, device=dev, dtype=dt) for e, n in rows}
-    he = {e: torch.randn(n, I, device=dev, dtype=dt) for e, n in rows}
-    d13 = {e: torch.randn(n, 2 * I, device=dev, dtype=dt) for e, n in rows}
-
     # the forward's saved gate and up (ffn_forward) of each input set: what the backward of a training step reads
     gate_up = {x.data_ptr(): L.ffn_forward(x, w1[1], w3[1], w2[1], mask, w1[0], w3[0], w2[0])[1]
                for x, (w1, w3, w2) in ((a[0], a[1]) for a in arg_sets)}
@@ -299,10 +310,6 @@ def ffn_cell(op, H, I, M, mask_kind, dev, gen):  # noqa: E741
     def fn(x, w, g):
         w1, w3, w2 = w
         return L.ffn_backward(g, x, w1[1], w3[1], w2[1], mask, w1[0], w3[0], w2[0], gate_up=gate_up[x.data_ptr()])
-
-    def anchor(x, w, g):  # per expert: dh = g·W2, dW2 = gᵀ·h, dx = [dgate dup]·[W1; W3], [dW1; dW3] = [dgate dup]ᵀ·x
-        return [(torch.mm(ge[e], w2e[e]), torch.mm(ge[e].t(), he[e]), torch.mm(d13[e], w13[e]),
-                 torch.mm(d13[e].t(), xe[e])) for e, _ in rows]
 
     def check():
         x, w, g = arg_sets[0]

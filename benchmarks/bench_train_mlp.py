@@ -15,10 +15,11 @@ down(silu(gate(x)) * up(x)) and the eager one.
 Masks: span = one image span of 2306 tokens at M = 8192 (28%; the same fraction at other M), rand50, vision10,
 vision90, all_text.
 
-GEMM floor: the nine GEMMs of the step (forward gate, up, down; backward dh, dW2, dx as two, the second accumulating,
-dW1, dW3), per expert that has tokens over its rows, in cuBLAS (torch.mm into preallocated outputs, operands already
-gathered, no routing, no elementwise work, no allocation). No implementation that runs these GEMMs at cuBLAS's rate
-can take less, so baseline / floor bounds the speedup any of them can reach over that baseline ("ceiling" columns).
+GEMM floor: the GEMMs of the step in cuBLAS, per expert that has tokens over its rows, operands already gathered, no
+routing and no elementwise work: the matrix's ffn_fwd and ffn_bwd anchors (benchmarks/bench_matrix.py ffn_anchor:
+gate and up as one GEMM of 2I columns, then down; dh, dW2, dx over [dgate dup], [dW1; dW3]). No implementation that
+runs these GEMMs at cuBLAS's rate can take less, so baseline / floor bounds the speedup any of them can reach over that
+baseline ("ceiling" columns).
 
 Per implementation: the median step time (CUDA events, inputs rotated past L2, benchmarks/common.bench), and the
 peak memory of one step above what was allocated before it (parameters, inputs and their gradient buffers of the
@@ -126,32 +127,15 @@ def single_impls(compile_ok):
 
 
 def gemm_floor(rows_per_expert, w, dev, dt):
-    """A callable running the nine GEMMs of a training step in cuBLAS for experts with the given row counts (w: the
-    (w1, w3, w2) of bench weights(), with an expert dimension when there are two): see the module doc."""
-    experts = []
-    for e, m in enumerate(rows_per_expert):
-        if m == 0:
-            continue
-        w1, w3, w2 = (t.detach()[e] if t.dim() == 3 else t.detach() for t in w)
-        act = {k: torch.randn(m, n, device=dev, dtype=dt) for k, n in
-               (("x", H), ("dy", H), ("h", I), ("dg", I), ("du", I))}
-        out = {k: torch.empty(*s, device=dev, dtype=dt) for k, s in
-               (("g", (m, I)), ("u", (m, I)), ("y", (m, H)), ("dh", (m, I)), ("dx", (m, H)),
-                ("dw1", (I, H)), ("dw3", (I, H)), ("dw2", (H, I)))}
-        experts.append((w1, w3, w2, act, out))
-
-    def run():
-        for w1, w3, w2, a, o in experts:
-            torch.mm(a["x"], w1.t(), out=o["g"])
-            torch.mm(a["x"], w3.t(), out=o["u"])
-            torch.mm(a["h"], w2.t(), out=o["y"])
-            torch.mm(a["dy"], w2, out=o["dh"])
-            torch.mm(a["dy"].t(), a["h"], out=o["dw2"])
-            torch.mm(a["dg"], w1, out=o["dx"])
-            o["dx"].addmm_(a["du"], w3)
-            torch.mm(a["dg"].t(), a["x"], out=o["dw1"])
-            torch.mm(a["du"].t(), a["x"], out=o["dw3"])
-    return run
+    """A callable running the GEMMs of a training step in cuBLAS for experts with the given row counts (w: the
+    (w1, w3, w2) of bench weights(), with an expert dimension when there are two): the matrix's ffn_fwd and ffn_bwd
+    anchors (benchmarks/bench_matrix.py ffn_anchor), see the module doc."""
+    from bench_matrix import ffn_anchor
+    rows = [(e, m) for e, m in enumerate(rows_per_expert) if m]
+    w1, w3, w2 = ({e: t.detach()[e] if t.dim() == 3 else t.detach() for e, _ in rows} for t in w)
+    w13 = {e: torch.cat([w1[e], w3[e]]) for e, _ in rows}
+    fwd, bwd = (ffn_anchor(rows, w13, w2, dev, dt, backward) for backward in (False, True))
+    return lambda: (fwd(), bwd())
 
 
 def ref_grads(x, mask, w, g):
@@ -299,7 +283,7 @@ def main(argv=None):
 
     lines = [f"# MLP training step (forward + backward), {results['device']}, torch {results['torch']}",
              f"H = {H}, I = {I}, bf16. Speedup = baseline time / fused saved time; peak = MiB above the inputs.", "",
-             "GEMM floor: the step's nine GEMMs in cuBLAS (per expert over its rows); ceiling = baseline / floor, the"
+             "GEMM floor: the step's GEMMs in cuBLAS (per expert over its rows); ceiling = baseline / floor, the"
              " most any implementation at cuBLAS's GEMM rate could reach over that baseline.", "",
              "| M | mask | fused saved ms | fused recompute ms | grouped_mm ms | gather+cuBLAS ms | GEMM floor ms |"
              " fused / floor | vs grouped_mm (ceiling) | vs best baseline | peak saved / recompute / grouped_mm MiB |"
