@@ -2,12 +2,18 @@
 
 One JSON file per GPU architecture, `aot/configs/sm<arch>.json`:
 
-    {"arch": 90, "origin": "how the table was made",
+    {"arch": 90, "origin": [{"date": "2026-11-27", "device": "NVIDIA H200", "triton": "3.6.0",
+                             "command": ["--offline", "--results", "...", "--ops", "grad_weight", ...],
+                             "note": "what the step did"}, ...],
      "kernels": {"routed_linear_tma_kernel": {"half": [{"max_m": 64, "block": [128, 64, 64], "group": 8,
                                                          "warps": 4, "stages": 4},
                                                         {"block": [128, 256, 64], "group": 8, "warps": 8,
                                                          "stages": 3}], ...}, ...}}
 
+* origin: how the table was made, as data: its steps in order, each with the `date` (YYYY-MM-DD), the `device`
+  measured on (a GPU name, or null for reasoned defaults), optionally the `triton` version, the `command` (the
+  argument list of `python -m aot.tune`, or null for a step by hand) and a short `note`. `python -m aot.tune --write`
+  appends its own step; tests/test_tune_table.py replays the `--offline` commands of sm90.json's steps.
 * kernel: a `@triton.jit` name of kernels/ (KERNELS below says which are configurable and what `block` means).
 * family: "half" (bf16 and fp16: same MMA shapes), "tf32" (fp32 with TF32 allowed), "ieee" (exact fp32); RoPE has
   one family, "all".
@@ -46,6 +52,7 @@ rewrites a table from measurements.
 """
 import json
 import os
+import re
 from typing import Dict, List
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -127,6 +134,7 @@ def validate(table: Dict, where: str = "config table") -> Dict:
 
     if not isinstance(table.get("arch"), int):
         fail("'arch' must be an integer such as 90")
+    _check_origin(table.get("origin"), fail)
     kernels = table.get("kernels")
     if not isinstance(kernels, dict) or not kernels:
         fail("'kernels' must be a non-empty object")
@@ -178,6 +186,33 @@ def validate(table: Dict, where: str = "config table") -> Dict:
                          "last bucket must be \"off\"")
             _check_classes(buckets, f"{name}/{fam}", fail)
     return table
+
+
+ORIGIN_FIELDS = ("date", "device", "triton", "command", "note")  # a step of "origin", in the order dumps() writes them
+ORIGIN_NOTE_MAX = 400  # characters: a note says what a step did; the data (device, date, command) is in its fields
+
+
+def _check_origin(origin, fail) -> None:
+    """The table's "origin": a non-empty list of steps {date, device, command, note}, optionally triton (above)."""
+    if not isinstance(origin, list) or not origin:
+        fail("'origin' must be a non-empty list of steps {date, device, command, note} (how the table was made)")
+    required = set(ORIGIN_FIELDS) - {"triton"}
+    for i, step in enumerate(origin):
+        at = f"origin[{i}]"
+        if not isinstance(step, dict) or set(step) - set(ORIGIN_FIELDS) or required - set(step):
+            fail(f"{at}: a step has the fields date, device, command, note (and optionally triton), got "
+                 f"{sorted(step) if isinstance(step, dict) else type(step).__name__}")
+        if not (isinstance(step["date"], str) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", step["date"])):
+            fail(f"{at}: 'date' must be YYYY-MM-DD, got {step['date']!r}")
+        if step["device"] is not None and not (isinstance(step["device"], str) and step["device"]):
+            fail(f"{at}: 'device' is the GPU's name, or null where nothing was measured")
+        if "triton" in step and not (isinstance(step["triton"], str) and step["triton"]):
+            fail(f"{at}: 'triton' is a version string")
+        cmd = step["command"]
+        if cmd is not None and not (isinstance(cmd, list) and all(isinstance(a, str) for a in cmd)):
+            fail(f"{at}: 'command' is the argument list of `python -m aot.tune` (strings), or null for a step by hand")
+        if not (isinstance(step["note"], str) and 0 < len(step["note"]) <= ORIGIN_NOTE_MAX):
+            fail(f"{at}: 'note' must be a non-empty string of at most {ORIGIN_NOTE_MAX} characters")
 
 
 def shape_class(e: Dict):
@@ -283,7 +318,11 @@ def pick(table: Dict, kernel: str, fam: str, m: int, n=None, k=None, wt=None) ->
 
 def dumps(table: Dict) -> str:
     """JSON with one bucket per line (readable diffs when a re-tune changes a table)."""
-    lines = ["{", f' "arch": {table["arch"]},', f' "origin": {json.dumps(table.get("origin", ""))},', ' "kernels": {']
+    origin = table.get("origin", [])
+    steps = [json.dumps({k: step[k] for k in ORIGIN_FIELDS if k in step}) for step in origin]
+    lines = ["{", f' "arch": {table["arch"]},', ' "origin": [']
+    lines += [f"  {s}" + ("," if i + 1 < len(steps) else "") for i, s in enumerate(steps)]
+    lines += [" ],", ' "kernels": {']
     kernels = list(table["kernels"].items())
     for ki, (name, fams) in enumerate(kernels):
         lines.append(f'  "{name}": {{')

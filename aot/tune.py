@@ -53,7 +53,6 @@ import json
 import math
 import os
 import re
-import shlex
 import sys
 import time
 
@@ -839,11 +838,10 @@ def write_table(path, table, done, ops, ms_list, cc, device, argv, classes=()):
             buckets += _buckets(win, cfgs, why, cls, _kept_below(table, kernel, fam, cls, min(ms_list)))
         new["kernels"].setdefault(kernel, {})[fam] = buckets
     tv = sorted({r.get("triton", "?") for r in done.values()})
-    how = f"`python -m aot.tune {shlex.join(argv)}`"
-    if "--offline" in argv:
-        how = f"{how} from the measurements in its --results file"
-    new["origin"] = (f"tuned on {device} (triton {', '.join(tv)}) by {how} ({datetime.date.today().isoformat()}); "
-                     "families and kernels not measured kept from the previous table")
+    how = "re-tuned from the measurements in its --results file" if "--offline" in argv else "measured and written"
+    new["origin"] = list(table.get("origin") or []) + [{  # this run's step after the table's own (config_table)
+        "date": datetime.date.today().isoformat(), "device": device, "triton": ", ".join(tv), "command": list(argv),
+        "note": f"{how}; families and kernels not measured kept from the previous table"}]
     ct.validate(new, path)
     with open(path, "w") as f:
         f.write(ct.dumps(new))

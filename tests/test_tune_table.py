@@ -2,7 +2,6 @@
 writing a valid table (the measuring itself runs on the GPU machine: scripts/gpu_job.sh step `tune`)."""
 import json
 import os
-import shlex
 import sys
 
 import pytest
@@ -54,7 +53,9 @@ def test_buckets_merge_and_the_last_is_open(tmp_path):
     # what was not measured is kept
     assert new["kernels"]["routed_linear_tma_kernel"]["tf32"] == table["kernels"]["routed_linear_tma_kernel"]["tf32"]
     assert new["kernels"]["routed_swiglu_tma_kernel"] == table["kernels"]["routed_swiglu_tma_kernel"]
-    assert "GPU X" in new["origin"]
+    # the run's provenance, as data: the table's steps, then this run's (device, date, aot.tune arguments)
+    assert new["origin"][:-1] == table["origin"]
+    assert new["origin"][-1]["device"] == "GPU X" and new["origin"][-1]["command"] == ["--x"]
 
 
 def test_results_resume_per_device(tmp_path):
@@ -251,21 +252,35 @@ def test_a_later_pass_times_without_checking_first():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
+def test_the_shipped_tables_record_their_origin_as_data():
+    """Every table's origin is a list of steps (config_table.validate checks their fields): each step's command is an
+    argument list `python -m aot.tune` accepts, and sm90.json's measured steps name the device they ran on."""
+    for arch in (80, 89, 90):
+        for step in ct.load(arch)["origin"]:
+            if step["command"] is not None:
+                tune.parser().parse_args(step["command"])  # SystemExit on an argument aot.tune does not take
+                assert step["device"], step
+    with pytest.raises(ValueError, match="origin"):
+        ct.validate(dict(ct.load(80), origin="reasoned defaults"))  # prose is not provenance
+
+
 def test_the_shipped_sm90_table_is_what_its_measurements_give():
     """aot/configs/sm90.json's entries are the offline re-tunes of aot/configs/sm90.measurements.jsonl by the --offline
-    commands in its origin, applied in order starting from the table itself (each to the table the one before it
-    wrote; one command per device's run: the file holds H100 and H200 records): the shipped table is reproducible
-    from the raw log (and the re-tunes are stable: no config within the keep margin flips)."""
+    commands of its origin's steps, applied in order starting from the table itself (each to the table the one before
+    it wrote; one command per device's run: the file holds H100 and H200 records): the shipped table is reproducible
+    from the raw log (and the re-tunes are stable: no config within the keep margin flips). Each step's device is the
+    one whose records its command reads."""
     table = ct.load(90)
-    cmds = [shlex.split(q) for q in table["origin"].split("`") if q.startswith("python -m aot.tune --offline")]
-    assert len(cmds) >= 2, "the H100 re-tune and the H200 ones"
+    steps = [s for s in table["origin"] if s["command"] and "--offline" in s["command"]]
+    assert len(steps) >= 2, "the H100 re-tune and the H200 ones"
     new = table
-    for cmd in cmds:
-        argv = cmd[3:]  # after "python -m aot.tune"; the results file is named from the repository root
+    for step in steps:
+        argv = list(step["command"])  # aot.tune's arguments; the results file is named from the repository root
         i = argv.index("--results") + 1
         argv[i] = os.path.join(ROOT, argv[i])
+        assert tune.offline_device(tune.parser().parse_args(argv))[1] == step["device"], step
         new, done = tune.offline_retune(argv, new)
-        assert done, f"no records for {cmd}"
+        assert done, f"no records for {step}"
     assert new["kernels"] == table["kernels"]
 
 
