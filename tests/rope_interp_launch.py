@@ -8,6 +8,7 @@ import sys
 
 import torch
 import triton
+import triton_interp_compat  # noqa: F401  (Triton 3.6 interpreter: numpy >= 2.5, bool arguments)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kernels import rope as K  # noqa: E402

@@ -15,6 +15,7 @@ import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import triton_interp_compat  # noqa: E402,F401  (Triton 3.6 interpreter: numpy >= 2.5, bool arguments)
 from kernels.gather_rows import (GATHER_ROWS, launch_expert_colsum, launch_gather_rows,  # noqa: E402
                                  launch_route_gather_rows)
 from kernels.gemm_decode import DECODE_MAX_SPLITS, decode_split, launch_routed_decode_linear  # noqa: E402
