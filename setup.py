@@ -2,7 +2,10 @@
 
     pip install --no-build-isolation .      # torch must already be installed (the extension builds against it)
 
-Environment: FUSED_ARCHS="80,89,90" (GPU architectures to compile for), MAX_JOBS (C++ compile parallelism).
+Environment: FUSED_ARCHS (GPU architectures to compile for: "auto", the default, builds for the GPUs this machine has,
+and where none is visible for every supported GPU (sm_80 cubins and PTX, sm_90 cubins: a wheel); "all" also builds
+sm_89's own cubins; or a list such as "80,89,90": aot/compile.py resolve_archs),
+MAX_JOBS (C++ compile parallelism).
 Triton is needed here, at build time only; the installed package never imports it.
 """
 import glob
@@ -40,39 +43,25 @@ class BuildExt(cpp_extension.BuildExtension):
     def run(self):
         from aot import compile as aot
 
-        archs = tuple(int(a) for a in os.environ.get("FUSED_ARCHS", "80,89,90").split(","))
         out = os.path.join(ROOT, "build", "aot")
-        gen = aot.build(out, archs)
+        gen = aot.build(out, aot.resolve_archs())
         for ext in self.extensions:
             ext.sources = [s for s in ext.sources if not s.endswith("kernels_gen.cpp")] + [gen]
         super().run()
+        from aot import check_variants
         for ext in self.extensions:
-            check_variants(self.get_ext_fullpath(ext.name))
-
-
-def check_variants(library):
-    """Fails the build if a launcher can ask for a variant that aot/manifest.py did not compile for a built
-    architecture (csrc/ops/variant_check.cpp): "no compiled variant" at run time then only means an unbuilt GPU.
-    Loads the library in a fresh interpreter; needs no GPU."""
-    import subprocess
-
-    code = ("import sys, torch; torch.ops.load_library(sys.argv[1]); "
-            "print('\\n'.join(torch.ops.fused._missing_variants()))")
-    res = subprocess.run([sys.executable, "-c", code, library], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"fused_ops: the variant check could not load {library}:\n{res.stderr}")
-    if res.stdout.strip():
-        raise RuntimeError("fused_ops: the C++ launchers can ask for variants that aot/manifest.py does not compile "
-                           "(their config tables or FLAG_SETS lack them):\n" + res.stdout)
+            check_variants.check(self.get_ext_fullpath(ext.name))
 
 
 sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
 ext = cpp_extension.CppExtension(
     name="fused_ops._C",
     sources=sources,
-    include_dirs=[os.path.join(ROOT, "csrc")] + cuda_include_dirs(),
+    # build/aot: kernel_decls.h, which the AOT step writes before the C++ compiles (aot/cpp_decls.py)
+    include_dirs=[os.path.join(ROOT, "csrc"), os.path.join(ROOT, "build", "aot")] + cuda_include_dirs(),
     libraries=["c10_cuda", "torch_cuda", "dl"],
-    extra_compile_args=["-O2", "-std=c++20", "-fvisibility=hidden"],
+    # -g0: no debug info (Python's CFLAGS often carry -g): it was 40 of the library's 51 MB without the kernel images.
+    extra_compile_args=["-O2", "-g0", "-std=c++20", "-fvisibility=hidden"],
     # Some toolchains link libstdc++ statically (seen on the GPU machine: CXX=/opt/gcc/bin/g++, no libstdc++.so
     # in NEEDED). Such a copy must stay private to the library: with its symbols exported, Python's
     # -Bsymbolic-functions bound its functions locally but its data (locale facet ids) to torch's shared libstdc++,

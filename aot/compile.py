@@ -1,13 +1,25 @@
 """Ahead-of-time compiler driver: Triton kernels -> cubins + PTX + a C++ table, with no GPU.
 
-    python -m aot.compile --out build/aot [--archs 80,89,90] [--jobs N]
+    python -m aot.compile --out build/aot [--archs auto|all|80,89,90] [--jobs N]
 
 For every variant in aot/manifest.py and every architecture, `triton.compile(ASTSource(...),
-target=GPUTarget("cuda", arch, 32))` produces a cubin (and for the lowest architecture also keeps the PTX, so a
-newer GPU can still JIT it through the driver). Results are cached under `<out>/cache/` keyed by the kernel
-sources, the Triton version, the target and the options, so a rebuild compiles only what changed. Compilation runs
-in a process pool on all cores and prints `[done/total]` progress. The output is `<out>/kernels_gen.cpp`: the
-images as byte arrays plus the variant table that csrc/runtime/kernel_table.h declares.
+target=GPUTarget("cuda", arch, 32))` produces a cubin. The PTX is kept only where it is a real fallback: for the
+lowest built architecture when that is below sm_90, so that a newer GPU (sm_100, sm_120) can JIT the kernels that
+exist for it through the driver. sm_90 code is sm_90a (wgmma, TMA), whose PTX no other architecture can compile.
+
+Which architectures (resolve_archs): `auto`, the default, builds for the GPUs this machine has (nvidia-smi, else
+torch.cuda), and where none is visible for every supported GPU (manifest.PORTABLE_ARCHS: sm_80 cubins and PTX, sm_90
+cubins; a wheel, CI); `all` builds every architecture that has a table (manifest.ARCHS, sm_89 too); or a list such as
+`80,90`. FUSED_ARCHS sets the same for setup.py and CMake.
+
+Results are cached under `<out>/cache/` keyed by the kernel's source (its @triton.jit function and those it calls),
+the Triton version, the target and the options, so a rebuild compiles only the images of the kernels that changed.
+Compilation runs in a process pool on all cores and prints its progress (images done / total and an estimate of the
+time left). The output is `<out>/kernels_gen.cpp`, the variant table that csrc/runtime/kernel_table.h declares, and
+`<out>/kernel_decls.h`, each kernel's argument struct and the constants the launchers share (aot/cpp_decls.py). The table holds
+every image zlib-compressed (`<out>/cache/<key>.*.z`; csrc/runtime/launcher.cpp inflates an image when a
+device first loads it): cubins compress about 4x, and the library is what every install, wheel and container layer
+carries.
 """
 import argparse
 import concurrent.futures as cf
@@ -15,8 +27,10 @@ import hashlib
 import importlib
 import json
 import os
+import subprocess
 import sys
 import time
+import zlib
 
 # The AOT step compiles; Triton's interpreter (TRITON_INTERPRET=1, e.g. inherited from the interpreter tests that
 # spawn a CMake build) would turn every kernel into an InterpretedFunction that cannot be compiled.
@@ -26,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from aot import config_table, manifest  # noqa: E402
+from aot import config_table, cpp_decls, manifest  # noqa: E402
 
 # Argument type codes shared with csrc/runtime/kernel_table.h.
 _TYPE_CODE = {"i1": "i", "i8": "i", "i16": "i", "i32": "i", "u32": "i", "i64": "l", "u64": "l", "fp32": "f"}
@@ -96,6 +110,68 @@ def compile_variant(v: manifest.Variant, arch: int):
                           options={"num_warps": v.num_warps, "num_stages": v.num_stages})
 
 
+def _visible_archs():
+    """The build targets of the GPUs this machine has (compute capability -> the manifest architecture whose image it
+    runs: sm_86/87 run sm_80 cubins, a GPU above sm_90 the sm_80 PTX), or () where none is visible."""
+    caps = []
+    try:
+        res = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        if res.returncode == 0:
+            caps = [round(float(c) * 10) for c in res.stdout.split()]
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+    if not caps:
+        try:
+            import torch
+            if torch.cuda.is_available():
+                caps = [a * 10 + b for a, b in (torch.cuda.get_device_capability(i)
+                                                for i in range(torch.cuda.device_count()))]
+        except Exception:  # no torch, no driver: nothing visible
+            caps = []
+    out = set()
+    for cc in caps:
+        same_major = [a for a in manifest.ARCHS if a // 10 == cc // 10 and a <= cc]
+        out.add(max(same_major) if same_major else min(manifest.ARCHS))
+    return tuple(sorted(out))
+
+
+def resolve_archs(spec=None):
+    """The architectures to build: spec (else $FUSED_ARCHS, else "auto") as "auto", "all" or a list "80,89,90"
+    (module doc)."""
+    spec = (spec if spec is not None else os.environ.get("FUSED_ARCHS", "")).strip().replace(";", ",") or "auto"
+    if spec == "all":
+        return tuple(manifest.ARCHS)
+    if spec == "auto":
+        return _visible_archs() or tuple(manifest.PORTABLE_ARCHS)
+    try:
+        archs = tuple(sorted({int(a) for a in spec.split(",") if a.strip()}))
+    except ValueError:
+        raise ValueError(f"FUSED_ARCHS / --archs: expected auto, all or a list such as 80,90, got {spec!r}") from None
+    bad = [a for a in archs if a not in manifest.ARCHS]
+    if bad or not archs:
+        raise ValueError(f"FUSED_ARCHS / --archs: {spec!r} names no architecture or ones the kernels are not built "
+                         f"for ({bad}); supported: {', '.join(map(str, manifest.ARCHS))}")
+    return archs
+
+
+def _keep_ptx(arch: int, archs) -> bool:
+    """The PTX of the lowest built architecture, where it is portable (below sm_90: sm_90 code is sm_90a)."""
+    return arch == min(archs) and arch < 90
+
+
+def _compressed(path: str) -> str:
+    """path's bytes zlib-compressed into path + ".z" (once: the cache keeps it), with a NUL after a PTX's text."""
+    z = path + ".z"
+    if not os.path.exists(z):
+        with open(path, "rb") as f:
+            data = f.read() + (b"\0" if path.endswith(".ptx") else b"")
+        with open(z + ".tmp", "wb") as f:
+            f.write(zlib.compress(data, 9))
+        os.replace(z + ".tmp", z)
+    return z
+
+
 def _compile_one(job):
     """Runs in a worker process: compiles one (variant, arch) and writes cubin/ptx/meta into the cache."""
     v, arch, cache_dir, key, keep_ptx = job
@@ -118,12 +194,12 @@ def _compile_one(job):
     return key
 
 
-def _incbin(sym: str, path: str, nul: bool = False) -> str:
-    """Embeds a file as a read-only symbol: the assembler reads the bytes, so a large cubin costs no C++ parsing."""
+def _incbin(sym: str, path: str) -> str:
+    """Embeds a file as a read-only symbol: the assembler reads the bytes, so a large image costs no C++ parsing."""
     path = os.path.abspath(path).replace("\\", "/")
     return (f'extern "C" const unsigned char {sym}[];\n'
             f'__asm__(".section .rodata\\n.balign 16\\n.globl {sym}\\n.hidden {sym}\\n{sym}:\\n.incbin \\"{path}\\"\\n'
-            + ('.byte 0\\n' if nul else '') + '.previous\\n");')
+            '.previous\\n");')
 
 
 # Triton's device-side TMA dtype enum differs from the driver's CUtensorMapDataType in three places.
@@ -203,19 +279,21 @@ def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
             if len(md["tensordesc_meta"]) != n_desc:
                 raise RuntimeError(f"{v.name} sm_{arch}: {n_desc} tensor descriptor arguments but the compiler "
                                    f"reports {len(md['tensordesc_meta'])} lowered to TMA; only TMA lowering is supported")
-            blobs.append(_incbin(f"fused_v{vi}_sm{arch}", cubin))
-            images.append((arch, 0, f"fused_v{vi}_sm{arch}", os.path.getsize(cubin), md))
-            ptx = os.path.join(cache_dir, key + ".ptx")
-            if arch == min(v.archs) and os.path.exists(ptx):
-                blobs.append(_incbin(f"fused_v{vi}_ptx{arch}", ptx, nul=True))
-                images.append((arch, 1, f"fused_v{vi}_ptx{arch}", os.path.getsize(ptx) + 1, md))
+            built = [a for a in archs if a in v.archs]
+            files = [(0, "sm", cubin)] + ([(1, "ptx", os.path.join(cache_dir, key + ".ptx"))]
+                                          if _keep_ptx(arch, built) else [])
+            for is_ptx, tag, path in files:
+                z = _compressed(path)
+                blobs.append(_incbin(f"fused_v{vi}_{tag}{arch}", z))
+                images.append((arch, is_ptx, f"fused_v{vi}_{tag}{arch}", os.path.getsize(path) + is_ptx,
+                               os.path.getsize(z), md))
         rows = []
-        for ii, (arch, is_ptx, sym, size, md) in enumerate(images):
+        for ii, (arch, is_ptx, sym, size, stored, md) in enumerate(images):
             tma = "nullptr"
             if md["tensordesc_meta"]:
                 tma = f"v{vi}_tma{ii}"
                 parts.append(f"const TmaMeta {tma}[] = {{" + ", ".join(_tma_row(m) for m in md["tensordesc_meta"]) + "};")
-            rows.append(f'{{{arch}, {is_ptx}, {sym}, {size}, "{md["entry"]}", {md["shared"]}, {md["num_warps"]}, '
+            rows.append(f'{{{arch}, {is_ptx}, {sym}, {size}, {stored}, "{md["entry"]}", {md["shared"]}, {md["num_warps"]}, '
                         f'{md["num_ctas"]}, {md["global_scratch_size"]}, {md["global_scratch_align"]}, {tma}, '
                         f'{len(md["tensordesc_meta"])}, {md.get("pdl", 0)}}}')
         img_rows = ",\n  ".join(rows)
@@ -234,7 +312,7 @@ def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
     parts += ["}  // namespace", "", "const KernelVariant kVariants[] = {\n  " + ",\n  ".join(table) + "};",
               f"const size_t kNumVariants = {len(table)};", "", _config_rows(archs),
               "const char* const kBuiltArchs = \"" + ", ".join(f"sm_{a}" for a in archs) +
-              f" (+PTX sm_{min(archs)})\";", _flag_rows(),
+              (f" (+PTX sm_{min(archs)})" if _keep_ptx(min(archs), archs) else "") + "\";", _flag_rows(),
               "}  // namespace fused", ""]
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
@@ -242,8 +320,12 @@ def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
     os.replace(tmp, out_path)
 
 
-def build(out_dir: str, archs=manifest.ARCHS, jobs=None, quiet=False) -> str:
+def build(out_dir: str, archs=None, jobs=None, quiet=False) -> str:
+    """Compiles what the cache lacks for `archs` (resolve_archs: None = $FUSED_ARCHS or auto) and writes
+    <out_dir>/kernels_gen.cpp; returns its path."""
     import triton
+
+    archs = resolve_archs(None) if archs is None else tuple(sorted(set(archs)))
 
     os.makedirs(out_dir, exist_ok=True)
     cache_dir = os.path.join(out_dir, "cache")
@@ -258,35 +340,44 @@ def build(out_dir: str, archs=manifest.ARCHS, jobs=None, quiet=False) -> str:
             jobs_by_variant[(vi, arch)] = key
             total += 1
             if not os.path.exists(os.path.join(cache_dir, key + ".json")):
-                todo.append((v, arch, cache_dir, key, arch == min(v.archs)))
+                todo.append((v, arch, cache_dir, key, _keep_ptx(arch, [a for a in archs if a in v.archs])))
     done = total - len(todo)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     say(f"[aot] triton {triton.__version__}: {total} kernel images for {', '.join(f'sm_{a}' for a in archs)}; "
         f"{done} cached, {len(todo)} to compile")
     if todo:
         jobs = jobs or os.cpu_count() or 1
-        t0 = time.time()
+        t0 = last = time.time()
+        verbose = bool(os.environ.get("FUSED_BUILD_VERBOSE"))
         with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
             futures = {pool.submit(_compile_one, j): j for j in todo}
-            for fut in cf.as_completed(futures):
+            for n, fut in enumerate(cf.as_completed(futures), 1):
                 v, arch = futures[fut][0], futures[fut][1]
                 fut.result()  # re-raises a compile error with its traceback
                 done += 1
-                say(f"[aot] [{done}/{total}] {v.name} {v.key_str} sm_{arch} ({time.time() - t0:.0f}s)")
+                now = time.time()
+                # a line per image when verbose, else one every 10 s (and the last): done / total, time, time left
+                if verbose or now - last >= 10 or n == len(todo):
+                    last = now
+                    left = (now - t0) / n * (len(todo) - n)
+                    say(f"[aot] [{done}/{total}] {now - t0:.0f}s, about {left:.0f}s left"
+                        + (f" ({v.name} {v.key_str} sm_{arch})" if verbose else ""))
     _check_shared(variants, archs, jobs_by_variant, cache_dir)
     out_path = os.path.join(out_dir, "kernels_gen.cpp")
     _generate(variants, archs, jobs_by_variant, cache_dir, out_path)
-    say(f"[aot] wrote {out_path}")
+    decls = cpp_decls.write(out_dir, variants, _type_code)
+    say(f"[aot] wrote {out_path} and {decls}")
     return out_path
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "build", "aot"))
-    p.add_argument("--archs", default=",".join(str(a) for a in manifest.ARCHS))
+    p.add_argument("--archs", default=None, help="auto: the visible GPUs, else sm_80 + sm_90 (which every supported "
+                   "GPU runs); all: sm_89 too; or a list such as 80,90 (default: $FUSED_ARCHS, else auto)")
     p.add_argument("--jobs", type=int, default=None)
     a = p.parse_args()
-    build(a.out, tuple(int(x) for x in a.archs.split(",")), a.jobs)
+    build(a.out, resolve_archs(a.archs), a.jobs)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ from aot import config_table
 
 # sm_90 is what we test on; sm_80/sm_89 are cross-compiled; the PTX of the lowest one lets newer GPUs JIT it.
 ARCHS = (80, 89, 90)
+# What a build for every supported GPU needs (aot/compile.py resolve_archs: "auto" where no GPU is visible, a wheel):
+# sm_86/87/89 run the sm_80 cubins (same major version), sm_90 its own (wgmma, TMA), newer GPUs the sm_80 PTX. sm_89's
+# own cubins buy nothing measured: its table is sm_80's (aot/configs/sm89.json, not measured on an sm_89 GPU), so it is
+# built only when asked for (FUSED_ARCHS=89 or all).
+PORTABLE_ARCHS = (80, 90)
 # Shared memory per block (opt-in maximum) that every device running an architecture's cubins allows: sm_80 cubins
 # also run on sm_86/sm_87 (99 KiB), sm_89 has 99 KiB, sm_90 227 KiB. aot/compile.py rejects a config above it.
 SHARED_LIMIT = {80: 101376, 89: 101376, 90: 232448}
@@ -158,16 +163,14 @@ def _rope_variants() -> List[Variant]:
 # (dtype, INPUT_PRECISION) units; "prec" is in every GEMM key (bf16/fp16 always "tf32": it does not matter for them).
 GEMM_UNITS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ieee"))
 
-# The epilogues of a GEMM forward, (bias, residual): every combination is compiled for every forward path, so an op
-# that adds a bias or a block's residual add to a projection changes no build list (the two flags cost nothing at run
-# time where they are off: they are constexprs).
-EPILOGUES = ((1, 0), (0, 0), (1, 1), (0, 1))
-
-
-def _paths(forward, other=()):
-    """A flagged linear kernel's combinations: each forward operand path with every epilogue, the other paths (grad
-    input: W transposed) with none."""
-    return tuple(p + e for p in forward for e in EPILOGUES) + tuple(p + (0, 0) for p in other)
+# The epilogue of a linear GEMM (a bias, a block's residual add) is two runtime arguments, has_bias and has_residual:
+# a uniform branch after the main loop, one image for every epilogue. Compiled as constants, their four combinations
+# quadrupled the linear GEMMs' images (1,570 variants, 599 MiB with PTX). Measured on an H200 (bench_matrix,
+# linear_fwd): where the tile loop is not flattened the branch costs nothing (cells at M <= 4096 equal to the
+# constexpr build's within 0.01); in a flattened loop (a config's "flatten") it made the kernel about 5x slower (M =
+# 8192: 5.3x cuBLAS's time against 1.10x). So a flattened config compiles each combination as constants
+# (_epilogue_variants: the arguments are then ("eq", v) and the runtime takes the variant whose values they are).
+EPILOGUES = ((0, 0), (1, 0), (0, 1), (1, 1))
 
 
 # The flag combinations of the flagged GEMM kernels: kernel -> ((key name, constexpr), ...) and the combinations
@@ -176,20 +179,16 @@ def _paths(forward, other=()):
 # csrc/ops/routed_gemm.cpp asserts that every request of a launcher is listed and forms every key a launcher can ask
 # for (the build's variant check). A launcher that needs a new operand path adds it here, and only here.
 FLAG_SETS = {
-    # (gather, scatter, wt): the linear_dual forward (token-order x gathered, rows scattered) and the ffn down
-    # projection (A = expert-ordered h, rows scattered), each with every epilogue; the grad-input of linear_dual and
-    # of the pointer ffn backward (token order, W transposed; the ffn's dx: its second GEMM adds the first one's
-    # result as its residual)
-    "routed_linear_kernel": ((("gather", "GATHER_A"), ("scatter", "SCATTER_OUT"), ("wt", "W_TRANSPOSED"),
-                              ("bias", "HAS_BIAS"), ("res", "HAS_RESIDUAL")),
-                             _paths(forward=((1, 1, 0), (0, 1, 0)), other=((1, 1, 1),)) + ((1, 1, 1, 0, 1),)),
+    # (gather, scatter, wt): the linear_dual forward (token-order x gathered, rows scattered), the ffn down projection
+    # (A = expert-ordered h, rows scattered), and the grad-input of linear_dual and of the pointer ffn backward (token
+    # order, W transposed; the ffn's dx: its second GEMM adds the first one's result as its residual)
+    "routed_linear_kernel": ((("gather", "GATHER_A"), ("scatter", "SCATTER_OUT"), ("wt", "W_TRANSPOSED")),
+                             ((1, 1, 0), (0, 1, 0), (1, 1, 1))),
     # (scatter, wt), A expert-ordered: the forward into scattered rows (linear_dual, the ffn down projection) or into
-    # an expert-ordered buffer (the ffn backward's gate and up; a single expert's down projection in place), each with
-    # every epilogue; the grad-input into scattered rows (linear_dual; the ffn backward's dx, whose second GEMM adds
-    # the first one's result as its residual) or expert-ordered ones (the ffn backward's dh)
-    "routed_linear_tma_kernel": ((("scatter", "SCATTER_OUT"), ("wt", "W_TRANSPOSED"), ("bias", "HAS_BIAS"),
-                                  ("res", "HAS_RESIDUAL")),
-                                 _paths(forward=((1, 0), (0, 0)), other=((1, 1), (0, 1))) + ((1, 1, 0, 1),)),
+    # an expert-ordered buffer (the ffn backward's gate and up; a single expert's down projection in place); the
+    # grad-input into scattered rows (linear_dual; the ffn backward's dx) or expert-ordered ones (the ffn backward's dh)
+    "routed_linear_tma_kernel": ((("scatter", "SCATTER_OUT"), ("wt", "W_TRANSPOSED")),
+                                 ((1, 0), (0, 0), (1, 1), (0, 1))),
     # token-order dy / x with / without the bias gradients (linear_dual, the pointer ffn backward)
     "routed_grad_weight_kernel": ((("gather", "GATHER"), ("dbias", "HAS_DBIAS")), ((1, 1), (1, 0))),
 }
@@ -205,7 +204,8 @@ def flag_variants(kernel: str):
 # routing is rarely a multiple of 16: a hint on it would send every such call (one decode token: M_pad = 129) to the
 # generic variant, which loses the hints on the pointers and strides that vectorize the gathers and stores. Nor on an
 # expert index (0 or 1) or a weight-order flag (up_first, w_map: small values that select, never address).
-_NO_HINT = {"M", "M_pad", "n_rows", "one_rows", "first_expert", "experts", "up_first", "w_map", "n_split"}
+_NO_HINT = {"M", "M_pad", "n_rows", "one_rows", "first_expert", "experts", "up_first", "w_map", "n_split", "has_bias",
+            "has_residual"}
 
 
 def _aligned(args) -> Dict[str, object]:
@@ -244,6 +244,24 @@ def _both(kernel, key, args, meta, cfg, archs) -> List[Variant]:
     return [Variant(kernel, key, args, meta, spec, cfg["warps"], cfg["stages"], archs) for spec in (_aligned(args), {})]
 
 
+def _epilogue_variants(kernel, key, args, meta, cfg, archs) -> List[Variant]:
+    """_both of a linear GEMM: has_bias / has_residual runtime arguments, or, for a flattened config, compiled in as
+    constants, one pair of variants per combination the launcher can ask for on the key's operand path (csrc/ops/
+    routed_gemm.cpp linear(): no bias on the grad-input (wt), whose residual goes into scattered token-order rows only;
+    the forward takes any, also unscattered: an identity routing's in-place rows are in token order)."""
+    if not cfg.get("flatten"):
+        return _both(kernel, key, args, meta, cfg, archs)
+    out = []
+    wt, scatter = key.get("wt", 0), key.get("scatter", 1)
+    for bias, res in EPILOGUES:
+        if wt and (bias or (res and not scatter)):
+            continue
+        for v in _both(kernel, key, args, meta, cfg, archs):
+            v.spec = dict(v.spec, has_bias=("eq", bias), has_residual=("eq", res))
+            out.append(v)
+    return out
+
+
 def _routing_variants() -> List[Variant]:
     from kernels import routing  # the block sizes the Python launchers use are the ones compiled here
     out = []
@@ -252,8 +270,8 @@ def _routing_variants() -> List[Variant]:
         for block, warps in ((routing.ONE_BLOCK_SMALL, 2), (routing.ONE_BLOCK_MID, 8), (routing.ONE_BLOCK, 8)):
             out.append(Variant("kernels.routing:routing_one_block_kernel", {"align": align, "block": block},
                                runtime_args("kernels.routing:routing_one_block_kernel"), {"BLOCK": block, "ALIGN": align}, {}, warps, 1, ARCHS))
-        out.append(Variant("kernels.routing:routing_scatter_kernel", {"align": align, "chunk": 1024},
-                           runtime_args("kernels.routing:routing_scatter_kernel"), {"CHUNK": 1024, "ALIGN": align}, {}, 4, 1, ARCHS))
+        out.append(Variant("kernels.routing:routing_scatter_kernel", {"align": align, "chunk": routing.CHUNK},
+                           runtime_args("kernels.routing:routing_scatter_kernel"), {"CHUNK": routing.CHUNK, "ALIGN": align}, {}, 4, 1, ARCHS))
         out.append(Variant("kernels.routing:routing_single_kernel", {"align": align, "block": routing.SINGLE_BLOCK},
                            runtime_args("kernels.routing:routing_single_kernel"), {"BLOCK": routing.SINGLE_BLOCK, "ALIGN": align}, {}, 4, 1, ARCHS))
     # The `route` op's buffer (both routings, the aligned one to ROUTING_ALIGN) in one launch.
@@ -261,8 +279,8 @@ def _routing_variants() -> List[Variant]:
         out.append(Variant("kernels.routing:routing_shared_kernel", {"block": block},
                            runtime_args("kernels.routing:routing_shared_kernel"),
                            {"BLOCK": block, "ALIGN": config_table.ROUTING_ALIGN}, {}, warps, 1, ARCHS))
-    out.append(Variant("kernels.routing:routing_count_kernel", {"chunk": 1024},
-                       runtime_args("kernels.routing:routing_count_kernel"), {"CHUNK": 1024}, {}, 4, 1, ARCHS))
+    out.append(Variant("kernels.routing:routing_count_kernel", {"chunk": routing.CHUNK},
+                       runtime_args("kernels.routing:routing_count_kernel"), {"CHUNK": routing.CHUNK}, {}, 4, 1, ARCHS))
     return out
 
 
@@ -306,13 +324,11 @@ def _gemm_variants() -> List[Variant]:
                                  for _, archs in configs("routed_decode_linear_kernel", f) for a in archs}))
     for dt in DTYPES if decode_archs else ():
         args = runtime_args("kernels.gemm_decode:decode_reduce_kernel", dt)
-        for bias, res in EPILOGUES:
-            for spec in (_aligned(args), {}):
-                out.append(Variant("kernels.gemm_decode:decode_reduce_kernel",
-                                   {"dtype": dt, "bias": bias, "res": res, "cols": DECODE_REDUCE_COLS,
-                                    "splits": DECODE_MAX_SPLITS}, args,
-                                   {"HAS_BIAS": bool(bias), "HAS_RESIDUAL": bool(res), "MAX_SPLITS": DECODE_MAX_SPLITS,
-                                    "BLOCK_N": DECODE_REDUCE_COLS}, spec, 4, 1, decode_archs))
+        for spec in (_aligned(args), {}):
+            out.append(Variant("kernels.gemm_decode:decode_reduce_kernel",
+                               {"dtype": dt, "cols": DECODE_REDUCE_COLS, "splits": DECODE_MAX_SPLITS}, args,
+                               {"MAX_SPLITS": DECODE_MAX_SPLITS, "BLOCK_N": DECODE_REDUCE_COLS}, spec, 4, 1,
+                               decode_archs))
     for dt in DTYPES:  # swiglu_backward: elementwise (kernels/swiglu_backward.py); not configurable. gather=1: gate
         # and up saved by the forward in token order, read through perm into the backward's expert-ordered buffers.
         args = runtime_args("kernels.swiglu_backward:swiglu_backward_kernel", dt)
@@ -336,9 +352,8 @@ def _gemm_variants() -> List[Variant]:
         # table's buckets serve (an alternative design: other m, and tables without it, take the kernels above).
         args = runtime_args("kernels.gemm_decode:routed_decode_linear_kernel", dt)
         for cfg, archs in configs("routed_decode_linear_kernel", fam):
-            for bias, res in EPILOGUES:
-                out += _both("kernels.gemm_decode:routed_decode_linear_kernel", dict(base, bias=bias, res=res), args,
-                             _tile_meta(cfg, prec, HAS_BIAS=bias, HAS_RESIDUAL=res), cfg, archs)
+            out += _both("kernels.gemm_decode:routed_decode_linear_kernel", dict(base), args, _tile_meta(cfg, prec),
+                         cfg, archs)
 
         # routed_swiglu_kernel (pointer loads): x gathered through perm -> expert-ordered h.
         args = runtime_args("kernels.gemm_pointer:routed_swiglu_kernel", dt)
@@ -372,8 +387,8 @@ def _gemm_variants() -> List[Variant]:
                 hblock = f"1, {bk}, {bs}" if wt else f"1, {bs}, {bk}"
                 args = runtime_args("kernels.gemm_tma:routed_linear_tma_kernel", dt,
                                     {"a_desc": f"{bm}, {bk}", "w_desc": wblock, "wh_desc": hblock})
-                out += _both("kernels.gemm_tma:routed_linear_tma_kernel", dict(base, **key), args,
-                             _split_meta(cfg, prec, **flags), cfg, archs)
+                out += _epilogue_variants("kernels.gemm_tma:routed_linear_tma_kernel", dict(base, **key), args,
+                                          _split_meta(cfg, prec, **flags), cfg, archs)
 
         # routed_linear_gather_tma_kernel (sm_90): the linear forward with A in token order, its rows gathered by
         # pointer loads inside the GEMM (no gather copy), W through TMA, rows scattered; every epilogue. It routes
@@ -385,11 +400,9 @@ def _gemm_variants() -> List[Variant]:
                                 {"w_desc": f"1, {bn}, {bk}", "wh_desc": f"1, {_tail_cols(bn, cfg.get('split', 0))}, {bk}"})
             align = config_table.ROUTING_ALIGN
             for route in route_blocks("routed_linear_gather_tma_kernel", fam, cfg):
-                for bias, res in EPILOGUES:
-                    meta = _split_meta(cfg, prec, HAS_BIAS=bias, HAS_RESIDUAL=res)
-                    meta.update(ROUTE_BLOCK=route, ALIGN=align)
-                    out += _both("kernels.gemm_gather_tma:routed_linear_gather_tma_kernel",
-                                 dict(base, bias=bias, res=res, route=route, align=align), args, meta, cfg, archs)
+                meta = dict(_split_meta(cfg, prec), ROUTE_BLOCK=route, ALIGN=align)
+                out += _epilogue_variants("kernels.gemm_gather_tma:routed_linear_gather_tma_kernel",
+                                          dict(base, route=route, align=align), args, meta, cfg, archs)
 
         # routed_swiglu_gather_tma_kernel (sm_90): the gate/up GEMM with x in token order (rows gathered inside), on
         # the unaligned routing of the ffn forward's TMA path; routes the mask itself as the linear one does.

@@ -29,7 +29,7 @@ from kernels.pdl import grid_dependency_sync
 @triton.jit
 def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, res_ptr, out_ptr, ws_ptr,
                                 M, N, K, k_split, stride_xm, stride_w0, stride_w1, stride_om,
-                                HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                                has_bias, has_residual, INPUT_PRECISION: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
     """out[i] = x[i] W_{e(i)}^T (+ bias_{e(i)}) (+ residual[i], res_ptr of out's row stride) for the M <= BLOCK_M rows
@@ -63,10 +63,10 @@ def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias
             w_ptrs += BLOCK_K
         keep = mine[:, None] & n_ok[None, :]
         if tl.num_programs(1) == 1:
-            if HAS_BIAS:
+            if has_bias:
                 acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
             offs = rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            if HAS_RESIDUAL:
+            if has_residual:
                 acc += tl.load(res_ptr + offs, mask=keep, other=0.0).to(tl.float32)
             tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=keep)
         else:
@@ -76,7 +76,7 @@ def routed_decode_linear_kernel(x_ptr, mask_ptr, w0_ptr, w1_ptr, bias0_ptr, bias
 
 @triton.jit
 def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, res_ptr, out_ptr, M, N, n_split, stride_om,
-                         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                         has_bias, has_residual, MAX_SPLITS: tl.constexpr,
                          BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """out[i, n] = the sum of ws[s, i, n] over the n_split <= MAX_SPLITS splits (+ bias_{e(i)}[n]) (+ residual[i, n],
     res_ptr of out's row stride); grid (M, cdiv(N, BLOCK_N)). All splits are loaded at once (one memory latency, not
@@ -89,13 +89,13 @@ def decode_reduce_kernel(ws_ptr, mask_ptr, bias0_ptr, bias1_ptr, res_ptr, out_pt
     splits = tl.arange(0, MAX_SPLITS)
     ws_ptrs = ws_ptr + ((splits.to(tl.int64) * M + i) * N)[:, None] + offs_n[None, :]
     acc = tl.sum(tl.load(ws_ptrs, mask=(splits < n_split)[:, None] & n_ok[None, :], other=0.0), axis=0)
-    if HAS_BIAS:
+    if has_bias:
         if tl.load(mask_ptr + i) != 0:
             acc += tl.load(bias1_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         else:
             acc += tl.load(bias0_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     offs = i.to(tl.int64) * stride_om + offs_n
-    if HAS_RESIDUAL:
+    if has_residual:
         acc += tl.load(res_ptr + offs, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -157,11 +157,11 @@ def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=N
     res = out if residual is None else residual
     routed_decode_linear_kernel[(triton.cdiv(N, BN), n_split, 2)](
         x, m8, w0, w1, bias0, bias1, res, out, ws, M, N, K, k_split, x.stride(0), w0.stride(0), w1.stride(0),
-        out.stride(0), HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None, INPUT_PRECISION=input_precision,
+        out.stride(0), has_bias=has_bias, has_residual=residual is not None, INPUT_PRECISION=input_precision,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=1, num_warps=num_warps, num_stages=num_stages)
     if n_split > 1:
         decode_reduce_kernel[(M, triton.cdiv(N, DECODE_REDUCE_COLS))](
-            ws, m8, bias0, bias1, res, out, M, N, n_split, out.stride(0), HAS_BIAS=has_bias,
-            HAS_RESIDUAL=residual is not None, MAX_SPLITS=DECODE_MAX_SPLITS, BLOCK_N=DECODE_REDUCE_COLS)
+            ws, m8, bias0, bias1, res, out, M, N, n_split, out.stride(0), has_bias=has_bias,
+            has_residual=residual is not None, MAX_SPLITS=DECODE_MAX_SPLITS, BLOCK_N=DECODE_REDUCE_COLS)
     return out
 

@@ -42,7 +42,7 @@ def _gather_mainloop(a_ptr, w_desc, perm_ptr, row0, row_hi, e, n0, K, stride_am,
 
 @triton.jit
 def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0, offs_n,
-                        N, K, stride_am, stride_om, w_map, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                        N, K, stride_am, stride_om, w_map, has_bias, has_residual,
                         INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     """One output tile of routed_linear_gather_tma_kernel: A's rows gathered through perm[row0, row_hi), columns
@@ -51,13 +51,13 @@ def _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, p
     acc = _gather_mainloop(a_ptr, w_desc, perm_ptr, row0, row_hi, _w_index(e, w_map), n0, K, stride_am, 0,
                            tl.cdiv(K, BLOCK_K), INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, offs_n, N, stride_om,
-                     HAS_BIAS, HAS_RESIDUAL, True, BLOCK_M)
+                     has_bias, has_residual, True, BLOCK_M)
 
 
 @triton.jit
 def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr,
                                     seg_ptr, mask_ptr, ws_ptr, flag_ptr, M, M_pad, N, K, stride_am, stride_om, w_map,
-                                    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                                    has_bias, has_residual, INPUT_PRECISION: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, ROUTE_BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                                     FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr = 0,
@@ -69,7 +69,7 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
     Persistent over the tiles that hold rows; SPLIT_TAIL: a last round split in SPLIT_TAIL column slices through
     wh_desc, as in routed_linear_tma_kernel; STREAM_K: the last STREAM_K rounds' K steps shared out evenly, ws_ptr /
     flag_ptr / SK_WAIT as there. ROUTE_BLOCK > 0: routes mask [M] itself (_routed_row_tiles). w_map: _w_index.
-    HAS_RESIDUAL: out = A·Wᵀ (+ bias) + residual, res_ptr of out's layout and row stride (a block's residual add)."""
+    has_residual: out = A·Wᵀ (+ bias) + residual, res_ptr of out's layout and row stride (a block's residual add)."""
     grid_dependency_sync(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -86,14 +86,14 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
         _gather_linear_tile(a_ptr, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
-                            offs_n, N, K, stride_am, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, INPUT_PRECISION,
+                            offs_n, N, K, stride_am, stride_om, w_map, has_bias, has_residual, INPUT_PRECISION,
                             BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_TAIL:
         if pid < SPLIT_TAIL * tail:
             row0, row_hi, e, n0, offs_n = _tail_part_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
                                                         BLOCK_M, BLOCK_N, GROUP_M, SPLIT_TAIL)
             _gather_linear_tile(a_ptr, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
-                                n0, offs_n, N, K, stride_am, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL,
+                                n0, offs_n, N, K, stride_am, stride_om, w_map, has_bias, has_residual,
                                 INPUT_PRECISION, BLOCK_M, BLOCK_N // SPLIT_TAIL, BLOCK_K)
     if STREAM_K:  # the last STREAM_K rounds, shared out
         it = hi
@@ -104,11 +104,11 @@ def routed_linear_gather_tma_kernel(a_ptr, w_desc, wh_desc, bias0_ptr, bias1_ptr
             acc = _gather_mainloop(a_ptr, w_desc, perm_ptr, row0, row_hi, _w_index(e, w_map), n0, K, stride_am, k_lo,
                                    k_hi, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
             _sk_finish(acc, ws_ptr, flag_ptr, pid, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr,
-                       perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, True, STREAM_K, BLOCK_M,
+                       perm_ptr, row0, row_hi, e, n0, N, stride_om, has_bias, has_residual, True, STREAM_K, BLOCK_M,
                        BLOCK_N)
             it -= k_hi - k_lo
         _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
-                  bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, HAS_BIAS, HAS_RESIDUAL, True,
+                  bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, has_bias, has_residual, True,
                   SK_WAIT, STREAM_K, BLOCK_M, BLOCK_N, GROUP_M)
 
 
@@ -170,7 +170,7 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
     routed_linear_gather_tma_kernel[grid](a, w_desc, wh_desc, bias0, bias1, out, out if residual is None else residual,
                                           perm, seg, mask_arg, ws, flags, M, M_pad, N, K, a.stride(0), out.stride(0),
                                           w_map,
-                                          HAS_BIAS=has_bias, HAS_RESIDUAL=residual is not None,
+                                          has_bias=has_bias, has_residual=residual is not None,
                                           INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                           GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
                                           SPLIT_TAIL=int(SPLIT_TAIL), STREAM_K=int(STREAM_K),

@@ -43,7 +43,7 @@ def _b_ptrs(w_ptr, offs_k, offs_n, stride_w, W_TRANSPOSED: tl.constexpr):
 @triton.jit
 def routed_linear_kernel(a_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, seg_ptr,
                          M_pad, N, K, stride_am, stride_w, stride_om,
-                         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATHER_A: tl.constexpr,
+                         has_bias, has_residual, GATHER_A: tl.constexpr,
                          SCATTER_OUT: tl.constexpr,
                          W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -77,9 +77,9 @@ def routed_linear_kernel(a_ptr, w0_ptr, w1_ptr, bias0_ptr, bias1_ptr, out_ptr, r
             b_ptrs = _b_ptrs(w1_ptr, offs_k, offs_n, stride_w, W_TRANSPOSED)
         acc = _ptr_mainloop(acc, a_ptrs, a_mask, b_ptrs, offs_k, offs_n, N, K, b_step, W_TRANSPOSED,
                             INPUT_PRECISION, BLOCK_K)
-        if HAS_BIAS:
+        if has_bias:
             acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-        if HAS_RESIDUAL:  # res_ptr: out's layout and row stride (kernels/gemm_tiles.py _add_residual)
+        if has_residual:  # res_ptr: out's layout and row stride (kernels/gemm_tiles.py _add_residual)
             acc = _add_residual(acc, res_ptr, perm_ptr, row0, row0 + BLOCK_M, offs_n, N, stride_om, SCATTER_OUT,
                                 BLOCK_M)
         _store_tile(out_ptr, acc, perm_ptr, row0, row0 + BLOCK_M, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
@@ -156,8 +156,8 @@ def launch_routed_linear(a, w0, w1, bias0, bias1, out, perm, seg, N, K, *, gathe
     assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
     grid = _grid_mn(M_pad, N, BM, BN)
     routed_linear_kernel[grid](a, w0, w1, bias0, bias1, out, out if residual is None else residual, perm, seg, M_pad,
-                               N, K, a.stride(0), w0.stride(0), out.stride(0), HAS_BIAS=has_bias,
-                               HAS_RESIDUAL=residual is not None, GATHER_A=gather_a, SCATTER_OUT=scatter_out,
+                               N, K, a.stride(0), w0.stride(0), out.stride(0), has_bias=has_bias,
+                               has_residual=residual is not None, GATHER_A=gather_a, SCATTER_OUT=scatter_out,
                                W_TRANSPOSED=w_transposed, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
                                BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
     return out

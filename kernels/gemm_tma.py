@@ -62,33 +62,33 @@ def _tma_mainloop(a_desc, w_desc, e, row0, n0, k_lo, k_hi, W_TRANSPOSED: tl.cons
 
 @triton.jit
 def _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, offs_n, N, stride_om,
-                     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCATTER_OUT: tl.constexpr,
+                     has_bias, has_residual, SCATTER_OUT: tl.constexpr,
                      BLOCK_M: tl.constexpr):
     """A linear tile's epilogue: bias, residual, store (_store_tile)."""
-    if HAS_BIAS:
+    if has_bias:
         acc = _add_bias(acc, bias0_ptr, bias1_ptr, e, offs_n, N)
-    if HAS_RESIDUAL:
+    if has_residual:
         acc = _add_residual(acc, res_ptr, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
     _store_tile(out_ptr, acc, perm_ptr, row0, row_hi, offs_n, N, stride_om, SCATTER_OUT, BLOCK_M)
 
 
 @triton.jit
 def _sk_finish(acc, ws_ptr, flag_ptr, pid, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr,
-               row0, row_hi, e, n0, N, stride_om, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               row0, row_hi, e, n0, N, stride_om, has_bias, has_residual,
                SCATTER_OUT: tl.constexpr, ROUNDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A stream-K piece's end (kernels/gemm_tiles.py _sk_share): a whole tile gets its epilogue; a piece of a cut tile
     is published, and summed with the tile's other pieces after the share's walk (_sk_fixup)."""
     if (k_lo == 0) & (k_hi == kit):
         _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
-                         n0 + tl.arange(0, BLOCK_N), N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, BLOCK_M)
+                         n0 + tl.arange(0, BLOCK_N), N, stride_om, has_bias, has_residual, SCATTER_OUT, BLOCK_M)
     else:
         _sk_publish(acc, ws_ptr, flag_ptr, pid, tile, kit, per, ROUNDS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
-              bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, HAS_BIAS: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, SCATTER_OUT: tl.constexpr, WAIT: tl.constexpr, ROUNDS: tl.constexpr,
+              bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, has_bias,
+              has_residual, SCATTER_OUT: tl.constexpr, WAIT: tl.constexpr, ROUNDS: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """After a stream-K share's walk, every piece of it published: for each tile the share cut (its first and last;
     a tile between them is whole), this program's column chunks of the tile's sum (_sk_chunks: with WAIT, after every
@@ -107,14 +107,14 @@ def _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, nu
             for c in range(first, SK_CHUNKS, step):
                 s = _sk_gather(ws_ptr, tile, q0, parts, kit, per, c * WIDTH, ROUNDS, BLOCK_M, BLOCK_N, WIDTH)
                 _linear_epilogue(s, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e,
-                                 n0 + c * WIDTH + tl.arange(0, WIDTH), N, stride_om, HAS_BIAS, HAS_RESIDUAL,
+                                 n0 + c * WIDTH + tl.arange(0, WIDTH), N, stride_om, has_bias, has_residual,
                                  SCATTER_OUT, BLOCK_M)
             _sk_leave(flag_ptr, nprog, q0, parts)
 
 
 @triton.jit
 def _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0, offs_n, N,
-                     K, stride_om, w_map, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     K, stride_om, w_map, has_bias, has_residual,
                      SCATTER_OUT: tl.constexpr, W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One output tile of routed_linear_tma_kernel: rows [row0, row_hi) of A through a_desc, columns offs_n =
@@ -123,13 +123,13 @@ def _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, per
     acc = _tma_mainloop(a_desc, w_desc, _w_index(e, w_map), row0, n0, 0, tl.cdiv(K, BLOCK_K), W_TRANSPOSED,
                         INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     _linear_epilogue(acc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, offs_n, N, stride_om,
-                     HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, BLOCK_M)
+                     has_bias, has_residual, SCATTER_OUT, BLOCK_M)
 
 
 @triton.jit
 def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr,
                              seg_ptr, ws_ptr, flag_ptr, one_rows, N, K, stride_om, w_map,
-                             HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCATTER_OUT: tl.constexpr,
+                             has_bias, has_residual, SCATTER_OUT: tl.constexpr,
                              W_TRANSPOSED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr,
@@ -144,7 +144,7 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
     row tiles of _row_tiles x cdiv(N, BN): with SCATTER_OUT only the tiles that hold rows, else every tile below
     end = seg[2] (an expert-ordered output is written up to end, padding rows included). one_rows > 0 (with
     SCATTER_OUT = False): one expert, rows in token order, no perm / seg (_walk_tiles). w_map: the experts' order
-    along w_desc's first dimension (_w_index). HAS_RESIDUAL: out = A·Wᵀ (+ bias) + residual, res_ptr of out's
+    along w_desc's first dimension (_w_index). has_residual: out = A·Wᵀ (+ bias) + residual, res_ptr of out's
     layout and row stride (the ffn down projection's residual add). STREAM_K (a config's "stream_k"; not with
     SPLIT_TAIL): the K steps of the last STREAM_K rounds' tiles (1: the last partial round; 2: also the whole round
     before it) shared out evenly (_sk_share), partial sums through ws_ptr ([STREAM_K nprog, BM, BN] fp32: _sk_slot) and
@@ -165,14 +165,14 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
         row0, row_hi, e, n0, offs_n = _tile_at(tile, start1, t0, num_pid_m, hi0, hi1, num_pid_n, BLOCK_M, BLOCK_N,
                                                GROUP_M)
         _tma_linear_tile(a_desc, w_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
-                         offs_n, N, K, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, W_TRANSPOSED,
+                         offs_n, N, K, stride_om, w_map, has_bias, has_residual, SCATTER_OUT, W_TRANSPOSED,
                          INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_TAIL:
         if pid < SPLIT_TAIL * tail:
             row0, row_hi, e, n0, offs_n = _tail_part_at(pid, main, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
                                                         BLOCK_M, BLOCK_N, GROUP_M, SPLIT_TAIL)
             _tma_linear_tile(a_desc, wh_desc, bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, row0, row_hi, e, n0,
-                             offs_n, N, K, stride_om, w_map, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, W_TRANSPOSED,
+                             offs_n, N, K, stride_om, w_map, has_bias, has_residual, SCATTER_OUT, W_TRANSPOSED,
                              INPUT_PRECISION, BLOCK_M, BLOCK_N // SPLIT_TAIL, BLOCK_K)
     if STREAM_K:  # the last STREAM_K rounds, shared out
         it = hi
@@ -183,11 +183,11 @@ def routed_linear_tma_kernel(a_desc, w_desc, wh_desc, bias0_ptr, bias1_ptr, out_
             acc = _tma_mainloop(a_desc, w_desc, _w_index(e, w_map), row0, n0, k_lo, k_hi, W_TRANSPOSED,
                                 INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
             _sk_finish(acc, ws_ptr, flag_ptr, pid, tile, k_lo, k_hi, kit, per, bias0_ptr, bias1_ptr, out_ptr, res_ptr,
-                       perm_ptr, row0, row_hi, e, n0, N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT, STREAM_K,
+                       perm_ptr, row0, row_hi, e, n0, N, stride_om, has_bias, has_residual, SCATTER_OUT, STREAM_K,
                        BLOCK_M, BLOCK_N)
             it -= k_hi - k_lo
         _sk_fixup(ws_ptr, flag_ptr, pid, nprog, lo, hi, kit, per, dp, start1, t0, num_pid_m, hi0, hi1, num_pid_n,
-                  bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, HAS_BIAS, HAS_RESIDUAL, SCATTER_OUT,
+                  bias0_ptr, bias1_ptr, out_ptr, res_ptr, perm_ptr, N, stride_om, has_bias, has_residual, SCATTER_OUT,
                   SK_WAIT, STREAM_K, BLOCK_M, BLOCK_N, GROUP_M)
 
 
@@ -353,8 +353,8 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
     grid, ws, flags = _stream_k_args(STREAM_K, num_programs, tiles, BM, BN, out.device)
     assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
     routed_linear_tma_kernel[grid](a_desc, w_desc, wh_desc, bias0, bias1, out, out if residual is None else residual,
-                                   perm, seg, ws, flags, one_rows, N, K, out.stride(0), w_map, HAS_BIAS=has_bias,
-                                   HAS_RESIDUAL=residual is not None, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
+                                   perm, seg, ws, flags, one_rows, N, K, out.stride(0), w_map, has_bias=has_bias,
+                                   has_residual=residual is not None, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
                                    INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                    GROUP_M=GROUP_M, FLATTEN=FLATTEN, SPLIT_TAIL=int(SPLIT_TAIL), STREAM_K=int(STREAM_K),
                                    SK_WAIT=not _interpreting(), num_warps=num_warps, num_stages=num_stages)

@@ -38,6 +38,7 @@ ONE_BLOCK_SMALL = 64  # decode steps
 ONE_BLOCK_MID = 1024
 ONE_BLOCKS = (ONE_BLOCK_SMALL, ONE_BLOCK_MID, ONE_BLOCK)  # ascending: one_block_size takes the first that holds M
 SINGLE_BLOCK = 1024  # routing_single_kernel's BLOCK
+CHUNK = 1024  # the two-kernel routing's (routing_count_kernel, routing_scatter_kernel) mask rows per program
 # -1 entries past the last row of an unaligned routing (ALIGN = 1): a row tile that starts at an expert's last row
 # reads BLOCK_M entries of perm, and every BLOCK_M divides the aligned routing's ALIGN (128; aot/config_table.py).
 ROW_TAIL = tl.constexpr(128)
@@ -246,7 +247,7 @@ def routing_single_kernel(perm_ptr, seg_ptr, M, M_pad, BLOCK: tl.constexpr, ALIG
         tl.store(seg_ptr + 4, M * 0)
 
 
-def route(mask, align: int = 128, chunk: int = 1024, one_block: int = ONE_BLOCK, perm=None, seg=None):
+def route(mask, align: int = 128, chunk: int = CHUNK, one_block: int = ONE_BLOCK, perm=None, seg=None):
     """Python launcher (JIT / interpreter use).  mask: bool/int8/uint8 [M] on the target device.
 
     M <= one_block: routing_one_block_kernel (BLOCK = one_block, a power of 2); else the two-kernel pass with

@@ -9,7 +9,7 @@
 #
 # Environment: VPY, a Python with torch, triton (build time) and fused_ops, skips the set-up of .venv
 # (scripts/setup_env.sh, which otherwise runs first); FUSED_CMAKE_BUILD (default build/cmake); FUSED_ARCHS (default
-# 80,89,90); MAX_JOBS. Works offline. Exit status: 0 all passed (CUDA entries may show as skipped without a GPU),
+# auto: aot/compile.py resolve_archs); MAX_JOBS. Works offline. Exit status: 0 all passed (CUDA entries may show as skipped without a GPU),
 # 1 a failure, 3 cmake is not installed (nothing was built).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,7 +24,7 @@ if ! command -v cmake >/dev/null; then
   exit 3
 fi
 BUILD="${FUSED_CMAKE_BUILD:-$ROOT/build/cmake}"
-ARCHS="${FUSED_ARCHS:-80,89,90}"
+ARCHS="${FUSED_ARCHS:-auto}"
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 # The pip build's AOT cache, when there is one: the CMake build then compiles only C++ (see CMakeLists.txt).

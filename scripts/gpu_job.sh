@@ -151,6 +151,9 @@ step_liger() {
 step_build() {
     echo "BUILD_CMD: $BUILD_CMD"
     eval "$BUILD_CMD" || return $?
+    echo "--- library size (bytes) and what it embeds"
+    ls -l "$REPO"/.venv/lib/python3*/site-packages/fused_ops/_C*.so 2>/dev/null || true
+    "$REPO/.venv/bin/python" -c "import fused_ops; print('built for', fused_ops.built_archs())" || true
     echo "--- import check"
     (cd /tmp && "$REPO/.venv/bin/python" -c "import fused_ops, torch; print('fused_ops from', fused_ops.__file__); print('ops:', [o for o in ('rope_fwd', 'rope_bwd', 'rope_fwd_', 'rope_fwd_qk', 'linear_dual', 'linear_dual_backward', 'ffn', 'ffn_backward') if hasattr(torch.ops.fused, o)])")
 }

@@ -33,8 +33,10 @@ if ! "$VPY" -c "import transformers" >/dev/null 2>&1; then
   "$VPY" -m pip install -q --retries 1 --timeout 20 "transformers>=5" \
     || echo "[setup] WARNING: could not install transformers; the fused_ops.hf tests will be skipped"
 fi
-echo "[setup] building fused_ops (AOT-compiling the Triton kernels, then the C++ op library)"
-# FUSED_BUILD_VERBOSE=1 shows the AOT progress and every compiler and linker command.
+echo "[setup] building fused_ops: AOT-compiling the Triton kernels (FUSED_ARCHS=${FUSED_ARCHS:-auto}), then the C++ op library"
+# The AOT step first, in the foreground, so that its progress shows (pip -q hides a build's output); the pip build
+# then finds every image in the cache. FUSED_BUILD_VERBOSE=1 shows every image and every compiler and linker command.
+( cd "$ROOT" && "$VPY" -m aot.compile --out "$ROOT/build/aot" )
 ( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VPY" -m pip install --no-build-isolation --no-deps \
     "$([ -n "${FUSED_BUILD_VERBOSE:-}" ] && echo -v || echo -q)" . )
 "$VPY" -c "import fused_ops; print('[setup] fused_ops built for', fused_ops.built_archs())"

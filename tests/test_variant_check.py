@@ -45,8 +45,9 @@ def test_requests_cover_every_launched_kernel_and_its_configs():
     # manifest compiles several (dtypes, flags, configs)
     compiled = _compiled(_built_archs())
     assert set(per_kernel) == {k for _, k, _ in compiled}
+    compiled_keys = collections.Counter(k for _, k, _ in compiled)
     for kernel in per_kernel:
-        assert per_kernel[kernel] >= 2, kernel
+        assert per_kernel[kernel] >= min(2, compiled_keys[kernel]), kernel
 
 
 def test_manifest_compiles_nothing_no_launcher_asks_for():

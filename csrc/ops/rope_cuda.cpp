@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "kernel_decls.h"  // generated: build/aot (aot/cpp_decls.py)
 #include "ops/rope.h"
 #include "ops/torch_launch.h"
 #include "runtime/kernel_configs.h"
@@ -12,8 +13,8 @@
 namespace fused {
 namespace {
 
-// Flag bits shared with kernels/rope.py.
-constexpr int kBshd = 1, kBackward = 2, kHasStart = 4, kCopyPass = 8;
+// The flag bits of rope_kernel's `flags` (kBshd, kBackward, kHasStart, kCopyPass): kernel_decls.h, from kernels/rope.py.
+using namespace rope_flags;
 
 const char* dtype_name(at::ScalarType t) {
   const char* name = variant_dtype(t);
@@ -45,20 +46,23 @@ void launch_rope(const RopeGeometry& g, const RopeOptions& o, const at::Tensor& 
   int flags = (g.format == RopeFormat::BSHD ? kBshd : 0) | (backward ? kBackward : 0) |
               (o.start_positions.has_value() ? kHasStart : 0) | (copy_pass ? kCopyPass : 0);
 
-  KernelArgs a;
-  a.ptr(x.data_ptr()).ptr(out.data_ptr()).ptr(second ? x2.data_ptr() : x.data_ptr())
-      .ptr(second ? out2.data_ptr() : out.data_ptr()).ptr(f.data_ptr()).ptr(cu.data_ptr()).ptr(sp.data_ptr());
-  a.i32(g.rows).i32(g.S).i32(g.B).i32(g.H).i32(H2).i32(g.D).i32(g.D2 / 2).i32(g.s_max)
-      .i64(f.stride(0));
-  for (const at::Tensor* tensor : {&x, &out, second ? &x2 : &x, second ? &out2 : &out})
-    for (int64_t s : rope_strides(*tensor, g.format)) a.i64(s);
-  a.i32(o.cp_size).i32(o.cp_rank).i32(flags);
+  const at::Tensor &x2_or_x = second ? x2 : x, &out2_or_out = second ? out2 : out;
+  const auto sx = rope_strides(x, g.format), so = rope_strides(out, g.format);
+  const auto sx2 = rope_strides(x2_or_x, g.format), so2 = rope_strides(out2_or_out, g.format);
+  kernel_args::rope_kernel args{
+      .x_ptr = x.data_ptr(), .out_ptr = out.data_ptr(), .x2_ptr = x2_or_x.data_ptr(), .out2_ptr = out2_or_out.data_ptr(),
+      .freqs_ptr = f.data_ptr(), .cu_seqlens_ptr = cu.data_ptr(), .start_ptr = sp.data_ptr(), .rows = g.rows,
+      .S = g.S, .B = g.B, .H = g.H, .H2 = H2, .D = g.D, .HALF = g.D2 / 2, .s_max = g.s_max,
+      .freqs_stride = f.stride(0), .sx_s = sx[0], .sx_b = sx[1], .sx_h = sx[2], .sx_d = sx[3], .so_s = so[0],
+      .so_b = so[1], .so_h = so[2], .so_d = so[3], .sx2_s = sx2[0], .sx2_b = sx2[1], .sx2_h = sx2[2],
+      .sx2_d = sx2[3], .so2_s = so2[0], .so2_b = so2[1], .so2_h = so2[2], .so2_d = so2[3], .cp_size = o.cp_size,
+      .cp_rank = o.cp_rank, .flags = flags};
 
   // Config (warps, blocks) from the table of the device's architecture (aot/configs/sm<arch>.json); its shape class
   // is the heads per token row (few heads want several tokens per program).
   const KernelConfig& cfg =
       kernel_config("rope_kernel", "all", device_capability(x.get_device()), g.rows, g.H + H2, -1);
-  launch_on_current_stream("rope_kernel", rope_key(cfg, dtype_name(x.scalar_type()), o.interleaved, second, thd), a,
+  launch_on_current_stream(std::move(args), rope_key(cfg, dtype_name(x.scalar_type()), o.interleaved, second, thd),
                            Grid{static_cast<uint32_t>(cdiv(g.rows, cfg.block[0])), 1, 1}, x);
 }
 

@@ -52,10 +52,8 @@ const KernelConfig& config(const Gemm& g, const char* kernel, int64_t m, int64_t
   return kernel_config(kernel, family(g), g.cc, m, n, k, wt);
 }
 
-// gather_rows_kernel's BLOCK_R (kernels/gather_rows.py GATHER_ROWS, in the key as "rows"); divides kAlign.
-constexpr int64_t kGatherRows = 32;
-// Its BLOCK_C without / with the column sums (kernels/gather_rows.py GATHER_COLS, in the key as "cols").
-constexpr int64_t kGatherCols = 128, kGatherColsColsum = 1024;
+// gather_rows_kernel's BLOCK_R and BLOCK_C (kGatherRows, kGatherCols, kGatherColsColsum: kernel_decls.h) are in its
+// keys as "rows" and "cols": a grid computed with other values finds no compiled variant.
 static_assert(kAlign % kGatherRows == 0, "a block of gather_rows' column sums must not mix experts");
 
 // ---- variant keys: one function per kernel forms every key its launcher asks for. Where a key has flags, the
@@ -86,24 +84,23 @@ int bits(std::initializer_list<bool> flags) {
 bool flag_bit(int combo, int n, int f) { return (combo >> (n - 1 - f)) & 1; }
 std::string align_str(bool aligned) { return std::to_string(aligned ? kAlign : 1); }
 
-// routed_linear_kernel (gather, scatter, wt, bias, res): the combinations of aot/manifest.py FLAG_SETS (each forward
-// operand path with every epilogue, the grad-input paths with none).
-std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, bool bias, bool res, const KernelConfig& c) {
-  return listed_key(bits({gather, scatter, wt, bias, res}), "routed_linear_kernel",
+// routed_linear_kernel (gather, scatter, wt): the operand paths of aot/manifest.py FLAG_SETS. The linear GEMMs'
+// epilogue (bias, residual) is not in their keys: it is a runtime argument of one image (has_bias, has_residual).
+std::string linear_key(const Gemm& g, bool gather, bool scatter, bool wt, const KernelConfig& c) {
+  return listed_key(bits({gather, scatter, wt}), "routed_linear_kernel",
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"scatter", flag(scatter)},
-                              {"wt", flag(wt)}, {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg}}));
+                              {"wt", flag(wt)}, {"cfg", c.cfg}}));
 }
-// routed_linear_tma_kernel (scatter, wt, bias, res): the same with expert-ordered A (FLAG_SETS).
-std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, bool bias, bool res, const KernelConfig& c) {
-  return listed_key(bits({scatter, wt, bias, res}), "routed_linear_tma_kernel",
+// routed_linear_tma_kernel (scatter, wt): the same with expert-ordered A (FLAG_SETS).
+std::string linear_tma_key(const Gemm& g, bool scatter, bool wt, const KernelConfig& c) {
+  return listed_key(bits({scatter, wt}), "routed_linear_tma_kernel",
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"scatter", flag(scatter)}, {"wt", flag(wt)},
-                              {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg}}));
+                              {"cfg", c.cfg}}));
 }
 // The token-order gather GEMMs also route a deferred routing: route = its one-block size, 0 when routed already.
-std::string linear_gather_tma_key(const Gemm& g, bool bias, bool res, const KernelConfig& c, int64_t route,
-                                  bool aligned) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg},
-                   {"route", std::to_string(route)}, {"align", align_str(aligned)}});
+std::string linear_gather_tma_key(const Gemm& g, const KernelConfig& c, int64_t route, bool aligned) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}, {"route", std::to_string(route)},
+                   {"align", align_str(aligned)}});
 }
 std::string swiglu_gather_tma_key(const Gemm& g, bool save, const KernelConfig& c, int64_t route, bool aligned) {
   return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}, {"route", std::to_string(route)},
@@ -131,15 +128,14 @@ std::string grad_weight_key(const Gemm& g, bool gather, bool dbias, const Kernel
                     make_key({{"dtype", g.dt}, {"prec", g.prec}, {"gather", flag(gather)}, {"dbias", flag(dbias)},
                               {"cfg", c.cfg}}));
 }
-std::string decode_linear_key(const Gemm& g, bool bias, bool res, const KernelConfig& c) {
-  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"bias", flag(bias)}, {"res", flag(res)}, {"cfg", c.cfg}});
+std::string decode_linear_key(const Gemm& g, const KernelConfig& c) {
+  return make_key({{"dtype", g.dt}, {"prec", g.prec}, {"cfg", c.cfg}});
 }
-// decode_reduce_kernel's BLOCK_N and MAX_SPLITS (kernels/gemm_decode.py DECODE_REDUCE_COLS, DECODE_MAX_SPLITS; in the
-// key as "cols" and "splits").
-constexpr int64_t kDecodeReduceCols = 64, kDecodeMaxSplits = 32;
-std::string decode_reduce_key(const Gemm& g, bool bias, bool res) {
-  return make_key({{"dtype", g.dt}, {"bias", flag(bias)}, {"res", flag(res)},
-                   {"cols", std::to_string(kDecodeReduceCols)}, {"splits", std::to_string(kDecodeMaxSplits)}});
+// decode_reduce_kernel's BLOCK_N and MAX_SPLITS (kDecodeReduceCols, kDecodeMaxSplits: kernel_decls.h) are in its key
+// as "cols" and "splits".
+std::string decode_reduce_key(const Gemm& g) {
+  return make_key({{"dtype", g.dt}, {"cols", std::to_string(kDecodeReduceCols)},
+                   {"splits", std::to_string(kDecodeMaxSplits)}});
 }
 std::string gather_rows_key(const Gemm& g, bool colsum) {
   return make_key({{"dtype", g.dt}, {"colsum", flag(colsum)}, {"rows", std::to_string(kGatherRows)},
@@ -223,11 +219,9 @@ RouteHere route_here(const Routing& r) {
 // Writes a deferred routing's perm / seg (one launch of the one-block routing kernel); nothing when already written.
 void ensure_routed(const Routing& r) {
   if (!r.pending.defined()) return;
-  KernelArgs a;
-  a.ptr(mask_arg(r)).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad);
-  launch_on_current_stream("routing_one_block_kernel",
-                           routing_one_block_key(r.aligned, one_block_size(r.M)), a,
-                           grid(1), r.perm);
+  launch_on_current_stream(kernel_args::routing_one_block_kernel{.mask_ptr = mask_arg(r), .perm_ptr = r.perm.data_ptr(),
+                                                               .seg_ptr = r.seg.data_ptr(), .M = r.M, .M_pad = r.M_pad},
+                           routing_one_block_key(r.aligned, one_block_size(r.M)), grid(1), r.perm);
   r.pending = at::Tensor();
 }
 
@@ -264,16 +258,14 @@ Routing route_into(const at::Tensor& m, bool aligned, const at::Tensor& buffer) 
   }
   const int64_t nb = cdiv(r.M, kChunk);
   at::Tensor counts = at::empty({nb * 2}, buffer.options());  // freed stream-ordered: reused only by later work here
-  KernelArgs c;
-  c.ptr(m.data_ptr()).ptr(counts.data_ptr()).i32(r.M);
-  launch_on_current_stream("routing_count_kernel", routing_count_key(), c, grid(nb),
-                           counts);
-  KernelArgs s;
-  s.ptr(m.data_ptr()).ptr(counts.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(r.M).i32(r.M_pad)
-      .i32(nb);
-  launch_on_current_stream("routing_scatter_kernel",
-                           routing_scatter_key(r.aligned), s, grid(nb),
-                           counts);
+  launch_on_current_stream(
+      kernel_args::routing_count_kernel{.mask_ptr = m.data_ptr(), .block_counts_ptr = counts.data_ptr(), .M = r.M},
+      routing_count_key(), grid(nb), counts);
+  launch_on_current_stream(
+      kernel_args::routing_scatter_kernel{.mask_ptr = m.data_ptr(), .block_counts_ptr = counts.data_ptr(),
+                                          .perm_ptr = r.perm.data_ptr(), .seg_ptr = r.seg.data_ptr(), .M = r.M,
+                                          .M_pad = r.M_pad, .num_blocks = nb},
+      routing_scatter_key(r.aligned), grid(nb), counts);
   return r;
 }
 
@@ -301,10 +293,11 @@ at::Tensor route_shared(const at::Tensor& mask) {
   // up to kOneBlock rows one launch writes the whole buffer; past it a driver memset and the two-kernel routings.
   at::Tensor buffer = at::empty({shared_routing_size(M)}, m.options().dtype(at::kInt));
   if (const int64_t block = one_block_size(M); block > 0) {  // up to kOneBlock tokens: one launch writes it all
-    KernelArgs a;
-    a.ptr(M > 0 ? m.data_ptr() : buffer.data_ptr()).ptr(buffer.data_ptr()).i32(M).i32(aligned_rows(M))
-        .i32(unaligned_section(M));
-    launch_on_current_stream("routing_shared_kernel", routing_shared_key(block), a, grid(1), buffer);
+    launch_on_current_stream(
+        kernel_args::routing_shared_kernel{.mask_ptr = M > 0 ? m.data_ptr() : buffer.data_ptr(),
+                                           .buf_ptr = buffer.data_ptr(), .M = M, .M_pad = aligned_rows(M),
+                                           .section = unaligned_section(M)},
+        routing_shared_key(block), grid(1), buffer);
     return buffer;
   }
   fill32_on_current_stream(buffer, 0xFFFFFFFFu);
@@ -324,11 +317,10 @@ Routing route_single(int64_t M, const at::Tensor& like, bool aligned) {
   r.perm = at::empty({r.M_pad}, iopt);
   r.seg = at::empty({5}, iopt);
   // One launch writes both (no host sync, capturable in a CUDA graph); five ATen fills cost ~10 us of launches.
-  KernelArgs a;
-  a.ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr()).i32(M).i32(r.M_pad);
-  launch_on_current_stream("routing_single_kernel",
-                           routing_single_key(r.aligned), a,
-                           grid(cdiv(r.M_pad, kSingleBlock)), r.perm);
+  launch_on_current_stream(
+      kernel_args::routing_single_kernel{.perm_ptr = r.perm.data_ptr(), .seg_ptr = r.seg.data_ptr(), .M = M,
+                                         .M_pad = r.M_pad},
+      routing_single_key(r.aligned), grid(cdiv(r.M_pad, kSingleBlock)), r.perm);
   return r;
 }
 
@@ -475,26 +467,26 @@ at::Tensor launch_gather(const Gemm& g, const Routing& r, const at::Tensor& src,
   } else {
     dst = at::empty({rows, C}, src.options());
   }
-  KernelArgs a;
   if (r.pending.defined() && !r.aligned && !colsum.defined()) {
     // A deferred unaligned routing (the ffn forward's x on sm_90): routed by the gather's own programs, one launch
     // instead of the routing kernel and then the gather (kernels/gather_rows.py route_gather_rows_kernel).
-    a.ptr(mask_arg(r)).ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-        .i32(r.M).i32(r.M_pad).i32(C).i32(src.stride(0)).i32(dst.stride(0));
-    launch_on_current_stream("route_gather_rows_kernel",
-                             route_gather_rows_key(g, one_block_size(r.M)),
-                             a, grid(cdiv(r.M, kGatherRows), cdiv(C, kGatherCols)), dst);
+    launch_on_current_stream(
+        kernel_args::route_gather_rows_kernel{.mask_ptr = mask_arg(r), .src_ptr = src.data_ptr(),
+                                              .dst_ptr = dst.data_ptr(), .perm_ptr = r.perm.data_ptr(),
+                                              .seg_ptr = r.seg.data_ptr(), .M = r.M, .M_pad = r.M_pad, .C = C,
+                                              .stride_src = src.stride(0), .stride_dst = dst.stride(0)},
+        route_gather_rows_key(g, one_block_size(r.M)), grid(cdiv(r.M, kGatherRows), cdiv(C, kGatherCols)), dst);
     r.pending = at::Tensor();
     return dst;
   }
   ensure_routed(r);
-  a.ptr(src.data_ptr()).ptr(dst.data_ptr()).ptr(r.perm.data_ptr())
-      .ptr(colsum.defined() ? colsum.data_ptr() : r.perm.data_ptr())
-      .i32(rows).i32(C).i32(src.stride(0)).i32(dst.stride(0));
   const int64_t cols = colsum.defined() ? kGatherColsColsum : kGatherCols;
-  launch_on_current_stream("gather_rows_kernel",
-                           gather_rows_key(g, colsum.defined()),
-                           a, grid(cdiv(rows, kGatherRows), cdiv(C, cols)), dst);
+  launch_on_current_stream(
+      kernel_args::gather_rows_kernel{.src_ptr = src.data_ptr(), .dst_ptr = dst.data_ptr(),
+                                      .perm_ptr = r.perm.data_ptr(),
+                                      .colsum_ptr = colsum.defined() ? colsum.data_ptr() : r.perm.data_ptr(),
+                                      .M_pad = rows, .C = C, .stride_src = src.stride(0), .stride_dst = dst.stride(0)},
+      gather_rows_key(g, colsum.defined()), grid(cdiv(rows, kGatherRows), cdiv(C, cols)), dst);
   return dst;
 }
 }  // namespace
@@ -517,10 +509,11 @@ at::Tensor gather_rows_and_sum(const Gemm& g, const Routing& r, const at::Tensor
   // kernel: deterministic, and no second pass over the rows.
   at::Tensor colsum = at::empty({blocks, C}, src.options().dtype(at::kFloat));
   at::Tensor dst = launch_gather(g, r, src, colsum, at::Tensor());
-  KernelArgs a;
-  a.ptr(colsum.data_ptr()).ptr(r.seg.data_ptr()).ptr(sum0.data_ptr()).ptr(sum1.data_ptr()).i32(blocks).i32(C);
-  launch_on_current_stream("expert_colsum_kernel", expert_colsum_key(g),
-                           a, grid(cdiv(C, 64)), colsum);  // BLOCK_C = 64
+  launch_on_current_stream(
+      kernel_args::expert_colsum_kernel{.colsum_ptr = colsum.data_ptr(), .seg_ptr = r.seg.data_ptr(),
+                                        .sum0_ptr = sum0.data_ptr(), .sum1_ptr = sum1.data_ptr(), .num_blocks = blocks,
+                                        .C = C},
+      expert_colsum_key(g), grid(cdiv(C, 64)), colsum);  // BLOCK_C = 64
   return dst;
 }
 
@@ -570,7 +563,6 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   const void* b0 = has_bias ? bias0.data_ptr() : perm_arg(r, out.t);
   const void* b1 = has_bias ? bias1.data_ptr() : perm_arg(r, out.t);
   const void* res = has_res ? residual.data_ptr() : perm_arg(r, out.t);
-  KernelArgs args;
   if (tma && !a.expert_ordered && !r.single && !out.expert_ordered && !w_transposed) {
     // Token-order A into scattered rows (the linear_dual forward): gathering A's rows inside the GEMM saves the
     // [M_pad, K] gather copy where the table says it is faster (aot/configs/sm90.json; docs/perf.md). It also routes
@@ -583,15 +575,15 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
       // kernel's metadata).
       const StreamK sk = stream_k(g, *c, max_row_tiles(r, c->block[0]) * cdiv(n, c->block[1]), out.t,
                                   r.perm.data_ptr());
-      args.ptr(a.t.data_ptr())
-          .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
-          .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
-          .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(res).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-          .ptr(here.mask).ptr(sk.ws_ptr).ptr(sk.flags_ptr).i32(r.M)
-          .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(out.t.stride(0)).i32(st.map);
-      launch_on_current_stream("routed_linear_gather_tma_kernel",
-                               linear_gather_tma_key(g, has_bias, has_res, *c, here.block, r.aligned),
-                               args, grid(sk.programs), out.t);
+      launch_on_current_stream(
+          kernel_args::routed_linear_gather_tma_kernel{
+              .a_ptr = a.t.data_ptr(), .w_desc = st.desc(w.rows(), w.cols()), .wh_desc = st.desc(w.rows(), w.cols()),
+              .bias0_ptr = b0, .bias1_ptr = b1, .out_ptr = out.t.data_ptr(), .res_ptr = res,
+              .perm_ptr = r.perm.data_ptr(), .seg_ptr = r.seg.data_ptr(), .mask_ptr = here.mask,
+              .ws_ptr = sk.ws_ptr, .flag_ptr = sk.flags_ptr, .M = r.M, .M_pad = r.M_pad, .N = n, .K = k,
+              .stride_am = a.t.stride(0), .stride_om = out.t.stride(0), .w_map = st.map, .has_bias = has_bias,
+              .has_residual = has_res},
+          linear_gather_tma_key(g, *c, here.block, r.aligned), grid(sk.programs), out.t);
       r.pending = at::Tensor();
       return;
     }
@@ -602,26 +594,27 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     const KernelConfig& c = config(g, "routed_linear_tma_kernel", r.M, n, k, w_transposed ? 1 : 0);
     const Experts::Stacked& st = w.stacked();
     const StreamK sk = stream_k(g, c, max_row_tiles(r, c.block[0]) * cdiv(n, c.block[1]), out.t, perm_arg(r, out.t));
-    args.tensor(ap.data_ptr(), {ap.size(0), k}, {ap.stride(0), 1})
-        .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})
-        .tensor(st.base, {st.experts, w.rows(), w.cols()}, {st.stride_e, st.ld, 1})  // wh_desc, as above
-        .ptr(b0).ptr(b1).ptr(out.t.data_ptr()).ptr(res).ptr(perm_arg(r, out.t)).ptr(seg_arg(r, out.t))
-        .ptr(sk.ws_ptr).ptr(sk.flags_ptr)
-        .i32(one_rows(r)).i32(n).i32(k).i32(out.t.stride(0)).i32(st.map);
     // An identity routing's token order is its expert order: its rows are written in place, not scattered.
     const bool scatter = !out.expert_ordered && !r.identity;
-    launch_on_current_stream("routed_linear_tma_kernel", linear_tma_key(g, scatter, w_transposed, has_bias, has_res, c),
-                             args, grid(sk.programs), out.t);
+    launch_on_current_stream(
+        kernel_args::routed_linear_tma_kernel{
+            .a_desc = {ap.data_ptr(), {ap.size(0), k}, {ap.stride(0), 1}}, .w_desc = st.desc(w.rows(), w.cols()),
+            .wh_desc = st.desc(w.rows(), w.cols()), .bias0_ptr = b0, .bias1_ptr = b1, .out_ptr = out.t.data_ptr(),
+            .res_ptr = res, .perm_ptr = perm_arg(r, out.t), .seg_ptr = seg_arg(r, out.t), .ws_ptr = sk.ws_ptr,
+            .flag_ptr = sk.flags_ptr, .one_rows = one_rows(r), .N = n, .K = k, .stride_om = out.t.stride(0),
+            .w_map = st.map, .has_bias = has_bias, .has_residual = has_res},
+        linear_tma_key(g, scatter, w_transposed, c), grid(sk.programs), out.t);
   } else {
     TORCH_INTERNAL_ASSERT(!r.identity);
     const KernelConfig& c = config(g, "routed_linear_kernel", r.M, n, k, w_transposed ? 1 : 0);
-    args.ptr(a.t.data_ptr()).ptr(w.text().data_ptr()).ptr(w.vision().data_ptr()).ptr(b0).ptr(b1).ptr(out.t.data_ptr())
-        .ptr(res).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-        .i32(r.M_pad).i32(n).i32(k).i32(a.t.stride(0)).i32(w.ld()).i32(out.t.stride(0));
-    launch_on_current_stream("routed_linear_kernel",
-                             linear_key(g, !a.expert_ordered, !out.expert_ordered, w_transposed, has_bias, has_res, c),
-                             args,
-                             grid((r.M_pad / c.block[0]) * cdiv(n, c.block[1])), out.t);
+    launch_on_current_stream(
+        kernel_args::routed_linear_kernel{
+            .a_ptr = a.t.data_ptr(), .w0_ptr = w.text().data_ptr(), .w1_ptr = w.vision().data_ptr(), .bias0_ptr = b0,
+            .bias1_ptr = b1, .out_ptr = out.t.data_ptr(), .res_ptr = res, .perm_ptr = r.perm.data_ptr(),
+            .seg_ptr = r.seg.data_ptr(), .M_pad = r.M_pad, .N = n, .K = k, .stride_am = a.t.stride(0),
+            .stride_w = w.ld(), .stride_om = out.t.stride(0), .has_bias = has_bias, .has_residual = has_res},
+        linear_key(g, !a.expert_ordered, !out.expert_ordered, w_transposed, c),
+        grid((r.M_pad / c.block[0]) * cdiv(n, c.block[1])), out.t);
   }
 }
 
@@ -662,22 +655,23 @@ bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, c
   const void* b0 = has_bias ? bias0.data_ptr() : out.data_ptr();
   const void* b1 = has_bias ? bias1.data_ptr() : out.data_ptr();
   const void* res = has_res ? residual.data_ptr() : out.data_ptr();
-  KernelArgs args;
-  args.ptr(x.data_ptr()).ptr(mask.data_ptr()).ptr(w0.data_ptr()).ptr(w1.data_ptr()).ptr(b0).ptr(b1).ptr(res)
-      .ptr(out.data_ptr()).ptr(ws.data_ptr())
-      .i32(M).i32(N).i32(K).i32(k_split).i32(x.stride(0)).i32(row_stride(w0)).i32(row_stride(w1)).i32(out.stride(0));
   // grid (column tiles, splits, experts): the programs of an expert with no token exit before reading its weights
   Grid tiles = grid(cdiv(N, c->block[1]), n_split);
   tiles.z = 2;
-  launch_on_current_stream("routed_decode_linear_kernel", decode_linear_key(g, has_bias, has_res, *c), args, tiles,
-                           out);
-  if (n_split > 1) {
-    KernelArgs sum;
-    sum.ptr(ws.data_ptr()).ptr(mask.data_ptr()).ptr(b0).ptr(b1).ptr(res).ptr(out.data_ptr())
-        .i32(M).i32(N).i32(n_split).i32(out.stride(0));
-    launch_on_current_stream("decode_reduce_kernel", decode_reduce_key(g, has_bias, has_res), sum,
-                             grid(M, cdiv(N, kDecodeReduceCols)), out);
-  }
+  launch_on_current_stream(
+      kernel_args::routed_decode_linear_kernel{
+          .x_ptr = x.data_ptr(), .mask_ptr = mask.data_ptr(), .w0_ptr = w0.data_ptr(), .w1_ptr = w1.data_ptr(),
+          .bias0_ptr = b0, .bias1_ptr = b1, .res_ptr = res, .out_ptr = out.data_ptr(), .ws_ptr = ws.data_ptr(),
+          .M = M, .N = N, .K = K, .k_split = k_split, .stride_xm = x.stride(0), .stride_w0 = row_stride(w0),
+          .stride_w1 = row_stride(w1), .stride_om = out.stride(0), .has_bias = has_bias, .has_residual = has_res},
+      decode_linear_key(g, *c), tiles, out);
+  if (n_split > 1)
+    launch_on_current_stream(
+        kernel_args::decode_reduce_kernel{.ws_ptr = ws.data_ptr(), .mask_ptr = mask.data_ptr(), .bias0_ptr = b0,
+                                          .bias1_ptr = b1, .res_ptr = res, .out_ptr = out.data_ptr(), .M = M, .N = N,
+                                          .n_split = n_split, .stride_om = out.stride(0), .has_bias = has_bias,
+                                          .has_residual = has_res},
+        decode_reduce_key(g), grid(M, cdiv(N, kDecodeReduceCols)), out);
   return true;
 }
 
@@ -696,11 +690,9 @@ struct Pair {
   int64_t dist;         // elements from it to the other one
   bool up_first;
   at::Tensor storage;   // both projections copied into one [2, E, I, H] tensor by pair_of, else undefined
-  // The box comes from the kernel's metadata: calling this twice gives the forward kernel both of its descriptors
-  // over the same tensor (BLOCK_N columns, and BLOCK_N / 2 for a split last round).
-  void add_descriptor(KernelArgs& args, int64_t I, int64_t H) const {
-    args.tensor(lo.base, {2, lo.experts, I, H}, {dist, lo.stride_e, lo.ld, 1});
-  }
+  // The box comes from the kernel's metadata: the forward kernel takes two descriptors over the same tensor
+  // (BLOCK_N columns, and BLOCK_N / 2 for a split last round).
+  DescArg desc(int64_t I, int64_t H) const { return {lo.base, {2, lo.experts, I, H}, {dist, lo.stride_e, lo.ld, 1}}; }
 };
 // Whether two projections' stacked views share the strides and expert order of one descriptor.
 bool same_view(const Experts::Stacked& a, const Experts::Stacked& b) {
@@ -754,7 +746,6 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Exper
                                   gate_up.stride(1) == 1 && gate_up.scalar_type() == h.scalar_type()));
   const void* gu = save ? gate_up.data_ptr() : h.data_ptr();
   const int64_t stride_gu = save ? gate_up.stride(0) : 0;
-  KernelArgs args;
   if (tma && !a.expert_ordered && !r.single) {
     // Token-order x: gather its rows inside the GEMM where the table says that beats the gather copy, and route a
     // deferred routing there (as in linear).
@@ -763,16 +754,14 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Exper
       const RouteHere here = route_here(r);
       const Experts::Stacked& sg = gate.stacked();
       const Experts::Stacked& su = up.stacked();
-      args.ptr(a.t.data_ptr())
-          .tensor(sg.base, {sg.experts, I, H}, {sg.stride_e, sg.ld, 1})
-          .tensor(su.base, {su.experts, I, H}, {su.stride_e, su.ld, 1})
-          .ptr(h.data_ptr()).ptr(gu).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-          .ptr(here.mask).i32(r.M)
-          .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(h.stride(0)).i32(stride_gu).i32(swiglu_map(sg, su));
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(I, c->block[1]);
-      launch_on_current_stream("routed_swiglu_gather_tma_kernel",
-                               swiglu_gather_tma_key(g, save, *c, here.block, r.aligned),
-                               args, grid(std::min<int64_t>(g.sms, tiles)), h);
+      launch_on_current_stream(
+          kernel_args::routed_swiglu_gather_tma_kernel{
+              .a_ptr = a.t.data_ptr(), .w1_desc = sg.desc(I, H), .w3_desc = su.desc(I, H), .h_ptr = h.data_ptr(),
+              .gu_ptr = gu, .perm_ptr = r.perm.data_ptr(), .seg_ptr = r.seg.data_ptr(), .mask_ptr = here.mask,
+              .M = r.M, .M_pad = r.M_pad, .N = I, .K = H, .stride_am = a.t.stride(0), .stride_hm = h.stride(0),
+              .stride_gu = stride_gu, .w_map = swiglu_map(sg, su)},
+          swiglu_gather_tma_key(g, save, *c, here.block, r.aligned), grid(std::min<int64_t>(g.sms, tiles)), h);
       r.pending = at::Tensor();
       return;
     }
@@ -784,30 +773,27 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Exper
     // The unpaired kernel computes the same bits (two accumulators instead of the halves of one): where the pair
     // does not serve, no weight copy is worth it.
     if (const std::optional<Pair> pair = pair_of("routed_swiglu_pair_tma_kernel", g, gate, up, r.M, false)) {
-      args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1});
-      pair->add_descriptor(args, I, H);
-      pair->add_descriptor(args, I, H);  // w13h_desc: the split last round's half-width tiles
-      args.ptr(h.data_ptr()).ptr(gu).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
-          .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(stride_gu).i32(pair->up_first ? 1 : 0)
-          .i32(pair->lo.map);
       const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(I, pair->cfg->block[1]);
-      launch_on_current_stream("routed_swiglu_pair_tma_kernel",
-                               swiglu_pair_key(g, save, *pair->cfg),
-                               args,
-                               grid(std::min<int64_t>(g.sms, tiles)), h);
+      launch_on_current_stream(
+          kernel_args::routed_swiglu_pair_tma_kernel{
+              .a_desc = {ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1}}, .w13_desc = pair->desc(I, H),
+              .w13h_desc = pair->desc(I, H), .h_ptr = h.data_ptr(), .gu_ptr = gu, .perm_ptr = perm_arg(r, h),
+              .seg_ptr = seg_arg(r, h), .one_rows = one_rows(r), .N = I, .K = H, .stride_hm = h.stride(0),
+              .stride_gu = stride_gu, .up_first = pair->up_first ? 1 : 0, .w_map = pair->lo.map},
+          swiglu_pair_key(g, save, *pair->cfg), grid(std::min<int64_t>(g.sms, tiles)), h);
       return;
     }
     const Experts::Stacked& sg = gate.stacked();
     const Experts::Stacked& su = up.stacked();
     const KernelConfig& c = config(g, "routed_swiglu_tma_kernel", r.M, I, H);
-    args.tensor(ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1})
-        .tensor(sg.base, {sg.experts, I, H}, {sg.stride_e, sg.ld, 1})
-        .tensor(su.base, {su.experts, I, H}, {su.stride_e, su.ld, 1})
-        .ptr(h.data_ptr()).ptr(gu).ptr(perm_arg(r, h)).ptr(seg_arg(r, h))
-        .i32(one_rows(r)).i32(I).i32(H).i32(h.stride(0)).i32(stride_gu).i32(swiglu_map(sg, su));
     const int64_t tiles = max_row_tiles(r, c.block[0]) * cdiv(I, c.block[1]);
-    launch_on_current_stream("routed_swiglu_tma_kernel", swiglu_tma_key(g, save, c), args,
-                             grid(std::min<int64_t>(g.sms, tiles)), h);
+    launch_on_current_stream(
+        kernel_args::routed_swiglu_tma_kernel{
+            .a_desc = {ap.data_ptr(), {ap.size(0), H}, {ap.stride(0), 1}}, .w1_desc = sg.desc(I, H),
+            .w3_desc = su.desc(I, H), .h_ptr = h.data_ptr(), .gu_ptr = gu, .perm_ptr = perm_arg(r, h),
+            .seg_ptr = seg_arg(r, h), .one_rows = one_rows(r), .N = I, .K = H, .stride_hm = h.stride(0),
+            .stride_gu = stride_gu, .w_map = swiglu_map(sg, su)},
+        swiglu_tma_key(g, save, c), grid(std::min<int64_t>(g.sms, tiles)), h);
   } else {
     ensure_routed(r);
     TORCH_INTERNAL_ASSERT(!a.expert_ordered && !r.identity,
@@ -817,11 +803,14 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Exper
       up.make_contiguous();
     }
     const KernelConfig& c = config(g, "routed_swiglu_kernel", r.M, I, H);
-    args.ptr(a.t.data_ptr()).ptr(gate.text().data_ptr()).ptr(gate.vision().data_ptr()).ptr(up.text().data_ptr())
-        .ptr(up.vision().data_ptr()).ptr(h.data_ptr()).ptr(gu).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-        .i32(r.M_pad).i32(I).i32(H).i32(a.t.stride(0)).i32(gate.ld()).i32(h.stride(0)).i32(stride_gu);
-    launch_on_current_stream("routed_swiglu_kernel", swiglu_key(g, save, c), args,
-                             grid((r.M_pad / c.block[0]) * cdiv(I, c.block[1])), h);
+    launch_on_current_stream(
+        kernel_args::routed_swiglu_kernel{
+            .a_ptr = a.t.data_ptr(), .w1_0_ptr = gate.text().data_ptr(), .w1_1_ptr = gate.vision().data_ptr(),
+            .w3_0_ptr = up.text().data_ptr(), .w3_1_ptr = up.vision().data_ptr(), .h_ptr = h.data_ptr(),
+            .gu_ptr = gu, .perm_ptr = r.perm.data_ptr(), .seg_ptr = r.seg.data_ptr(), .M_pad = r.M_pad, .N = I,
+            .K = H, .stride_am = a.t.stride(0), .stride_w = gate.ld(), .stride_hm = h.stride(0),
+            .stride_gu = stride_gu},
+        swiglu_key(g, save, c), grid((r.M_pad / c.block[0]) * cdiv(I, c.block[1])), h);
   }
 }
 
@@ -839,15 +828,13 @@ bool swiglu_backward_pair(const Gemm& g, const Routing& r, const at::Tensor& x, 
   const std::optional<Pair> pair = pair_of("routed_swiglu_pair_bwd_tma_kernel", g, gate, up, r.M, true);
   if (!pair) return false;
   ensure_routed(r);
-  KernelArgs args;
-  args.tensor(x.data_ptr(), {x.size(0), H}, {x.stride(0), 1});
-  pair->add_descriptor(args, I, H);
-  args.ptr(h.data_ptr()).ptr(dup.data_ptr()).ptr(dgate.data_ptr()).ptr(r.seg.data_ptr())
-      .i32(I).i32(H).i32(h.stride(0)).i32(pair->up_first ? 1 : 0).i32(pair->lo.map);
   const int64_t tiles = max_row_tiles(r, pair->cfg->block[0]) * cdiv(I, pair->cfg->block[1]);
-  launch_on_current_stream("routed_swiglu_pair_bwd_tma_kernel",
-                           swiglu_pair_bwd_key(g, *pair->cfg), args,
-                           grid(std::min<int64_t>(g.sms, tiles)), h);
+  launch_on_current_stream(
+      kernel_args::routed_swiglu_pair_bwd_tma_kernel{
+          .a_desc = {x.data_ptr(), {x.size(0), H}, {x.stride(0), 1}}, .w13_desc = pair->desc(I, H),
+          .h_ptr = h.data_ptr(), .dup_ptr = dup.data_ptr(), .dgate_ptr = dgate.data_ptr(), .seg_ptr = r.seg.data_ptr(),
+          .N = I, .K = H, .stride_hm = h.stride(0), .up_first = pair->up_first ? 1 : 0, .w_map = pair->lo.map},
+      swiglu_pair_bwd_key(g, *pair->cfg), grid(std::min<int64_t>(g.sms, tiles)), h);
   return true;
 }
 
@@ -857,13 +844,13 @@ void swiglu_backward(const Gemm& g, const at::Tensor& gate, const at::Tensor& up
                         dh.sizes() == h.sizes() && gate.stride(0) == up.stride(0) && gate.stride(1) == 1 &&
                         up.stride(1) == 1);
   const int64_t rows = h.size(0), cols = h.size(1);
-  KernelArgs a;
-  a.ptr(gate.data_ptr()).ptr(up.data_ptr()).ptr(dh.data_ptr()).ptr(h.data_ptr()).ptr(dup.data_ptr())
-      .ptr(perm.defined() ? perm.data_ptr() : h.data_ptr())
-      .i32(rows).i32(cols).i32(gate.stride(0)).i32(cols);
   // BLOCK_R = 16, BLOCK_C = 256 (aot/manifest.py)
-  launch_on_current_stream("swiglu_backward_kernel", swiglu_backward_key(g, perm.defined()), a,
-                           grid(cdiv(rows, 16), cdiv(cols, 256)), h);
+  launch_on_current_stream(
+      kernel_args::swiglu_backward_kernel{.gate_ptr = gate.data_ptr(), .up_ptr = up.data_ptr(), .dh_ptr = dh.data_ptr(),
+                                          .h_ptr = h.data_ptr(), .dup_ptr = dup.data_ptr(),
+                                          .perm_ptr = perm.defined() ? perm.data_ptr() : h.data_ptr(), .n_rows = rows,
+                                          .n_cols = cols, .stride_in = gate.stride(0), .stride = cols},
+      swiglu_backward_key(g, perm.defined()), grid(cdiv(rows, 16), cdiv(cols, 256)), h);
 }
 
 void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x, const at::Tensor& dw0_in,
@@ -896,21 +883,20 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
   TORCH_INTERNAL_ASSERT(dw0.size(0) == N && dw0.size(1) == K && dw0.is_contiguous() && dw1.sizes() == dw0.sizes() &&
                         dw1.strides() == dw0.strides());
   if (dbias) TORCH_INTERNAL_ASSERT(db0.numel() == N && db1.numel() == N && db0.is_contiguous() && db1.is_contiguous());
-  KernelArgs args;
   if (tma) {
     // Persistent, at most one program per SM: each computes its [BN, BK] tiles for every expert in `experts` (bit e:
     // expert e), all in one loop over their rows; a frozen expert's dW is not touched.
     TORCH_INTERNAL_ASSERT(dy.expert_ordered, "routed GEMM: the TMA grad-weight takes expert-ordered buffers");
     TORCH_INTERNAL_ASSERT(!dbias, "routed GEMM: the TMA grad-weight sums no bias (gather_rows_and_sum does)");
     const KernelConfig& c = config(g, "routed_grad_weight_tma_kernel", r.M, N, K);  // block: BN x BK x BR
-    args.tensor(dy.t.data_ptr(), {r.M_pad, N}, {dy.t.stride(0), 1})
-        .tensor(x.t.data_ptr(), {r.M_pad, K}, {x.t.stride(0), 1})
-        .ptr(r.seg.data_ptr())
-        .tensor(dw0.data_ptr(), {N, K}, {dw0.stride(0), 1})
-        .tensor(dw1.data_ptr(), {N, K}, {dw1.stride(0), 1})
-        .i32(N).i32(K).i32((run[0] ? 1 : 0) | (run[1] ? 2 : 0));
-    launch_on_current_stream("routed_grad_weight_tma_kernel", grad_weight_tma_key(g, c), args,
-                             grid(std::min<int64_t>(g.sms, cdiv(N, c.block[0]) * cdiv(K, c.block[1]))), dw0);
+    launch_on_current_stream(
+        kernel_args::routed_grad_weight_tma_kernel{
+            .dy_desc = {dy.t.data_ptr(), {r.M_pad, N}, {dy.t.stride(0), 1}},
+            .x_desc = {x.t.data_ptr(), {r.M_pad, K}, {x.t.stride(0), 1}}, .seg_ptr = r.seg.data_ptr(),
+            .dw0_desc = {dw0.data_ptr(), {N, K}, {dw0.stride(0), 1}},
+            .dw1_desc = {dw1.data_ptr(), {N, K}, {dw1.stride(0), 1}}, .N = N, .K = K,
+            .experts = (run[0] ? 1 : 0) | (run[1] ? 2 : 0)},
+        grad_weight_tma_key(g, c), grid(std::min<int64_t>(g.sms, cdiv(N, c.block[0]) * cdiv(K, c.block[1]))), dw0);
     return;
   }
   // Pointer kernel: a launch of one expert (either, or the only one of a single routing) has per_e programs, all
@@ -919,13 +905,15 @@ void grad_weight(const Gemm& g, const Routing& r, const Rows& dy, const Rows& x,
   const int32_t first_expert = run[0] ? 0 : 1;
   const int64_t n_experts = (run[0] && run[1]) ? 2 : 1;
   const KernelConfig& c = config(g, "routed_grad_weight_kernel", r.M, N, K);  // block: BN x BK x BR
-  args.ptr(dy.t.data_ptr()).ptr(x.t.data_ptr()).ptr(r.perm.data_ptr()).ptr(r.seg.data_ptr())
-      .ptr(dw0.data_ptr()).ptr(dw1.data_ptr())
-      .ptr(dbias ? db0.data_ptr() : r.perm.data_ptr()).ptr(dbias ? db1.data_ptr() : r.perm.data_ptr())
-      .i32(N).i32(K).i32(dy.t.stride(0)).i32(x.t.stride(0)).i32(dw0.stride(0)).i32(first_expert);
   const int64_t per_e = cdiv(N, c.block[0]) * cdiv(K, c.block[1]);
-  launch_on_current_stream("routed_grad_weight_kernel", grad_weight_key(g, !dy.expert_ordered, dbias, c), args,
-                           grid(n_experts * per_e), dw0);
+  launch_on_current_stream(
+      kernel_args::routed_grad_weight_kernel{
+          .dy_ptr = dy.t.data_ptr(), .x_ptr = x.t.data_ptr(), .perm_ptr = r.perm.data_ptr(),
+          .seg_ptr = r.seg.data_ptr(), .dw0_ptr = dw0.data_ptr(), .dw1_ptr = dw1.data_ptr(),
+          .db0_ptr = dbias ? db0.data_ptr() : r.perm.data_ptr(), .db1_ptr = dbias ? db1.data_ptr() : r.perm.data_ptr(),
+          .N = N, .K = K, .stride_dym = dy.t.stride(0), .stride_xm = x.t.stride(0), .stride_dwn = dw0.stride(0),
+          .first_expert = first_expert},
+      grad_weight_key(g, !dy.expert_ordered, dbias, c), grid(n_experts * per_e), dw0);
 }
 
 // ------------------------------------------------------------------------------------ every variant asked for
@@ -992,27 +980,23 @@ std::vector<VariantRequest> requestable_variants(int cc) {
           out.insert({kernel, key([&](int f) { return flag_bit(s.combos[i], s.num_flags, f); })});
       };
       if (const KernelConfig* c = cfg("routed_linear_kernel"))
-        each_combo("routed_linear_kernel", [&](auto b) { return linear_key(g, b(0), b(1), b(2), b(3), b(4), *c); });
+        each_combo("routed_linear_kernel", [&](auto b) { return linear_key(g, b(0), b(1), b(2), *c); });
       if (const KernelConfig* c = cfg("routed_swiglu_kernel"))
         for (bool save : {false, true}) out.insert({"routed_swiglu_kernel", swiglu_key(g, save, *c)});
       if (const KernelConfig* c = cfg("routed_grad_weight_kernel"))
         each_combo("routed_grad_weight_kernel", [&](auto b) { return grad_weight_key(g, b(0), b(1), *c); });
-      if (const KernelConfig* c = optional_cfg("routed_decode_linear_kernel"))
-        for (bool bias : {false, true})
-          for (bool res : {false, true}) {
-            out.insert({"routed_decode_linear_kernel", decode_linear_key(g, bias, res, *c)});
-            out.insert({"decode_reduce_kernel", decode_reduce_key(g, bias, res)});
-          }
+      if (const KernelConfig* c = optional_cfg("routed_decode_linear_kernel")) {
+        out.insert({"routed_decode_linear_kernel", decode_linear_key(g, *c)});
+        out.insert({"decode_reduce_kernel", decode_reduce_key(g)});
+      }
       if (!tma) continue;
       if (const KernelConfig* c = cfg("routed_linear_tma_kernel"))
-        each_combo("routed_linear_tma_kernel", [&](auto b) { return linear_tma_key(g, b(0), b(1), b(2), b(3), *c); });
+        each_combo("routed_linear_tma_kernel", [&](auto b) { return linear_tma_key(g, b(0), b(1), *c); });
       if (const KernelConfig* c = cfg("routed_grad_weight_tma_kernel"))
         out.insert({"routed_grad_weight_tma_kernel", grad_weight_tma_key(g, *c)});
       if (const KernelConfig* c = optional_cfg("routed_linear_gather_tma_kernel"))
-        for (bool bias : {false, true})
-          for (bool res : {false, true})
-            for (int64_t route : routes)
-              out.insert({"routed_linear_gather_tma_kernel", linear_gather_tma_key(g, bias, res, *c, route, true)});
+        for (int64_t route : routes)
+          out.insert({"routed_linear_gather_tma_kernel", linear_gather_tma_key(g, *c, route, true)});
       if (!tma_swiglu) continue;
       // the ffn forward's x gather on its unaligned routing, which it routes itself
       if (one_block_size(m) > 0) out.insert({"route_gather_rows_kernel", route_gather_rows_key(g, one_block_size(m))});

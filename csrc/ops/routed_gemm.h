@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "kernel_decls.h"  // generated: build/aot (aot/cpp_decls.py)
 #include "ops/torch_launch.h"
 
 namespace fused {
@@ -65,13 +66,9 @@ at::Tensor as_rows(const at::Tensor& x);
 
 namespace routed {
 
-constexpr int64_t kAlign = 128;   // routing ALIGN: every BLOCK_M divides it
-constexpr int64_t kRowTail = 128;  // kernels/routing.py ROW_TAIL: perm entries past M of an unaligned routing
-constexpr int64_t kChunk = 1024;  // routing CHUNK
-constexpr int64_t kOneBlock = 4096;   // kernels/routing.py ONE_BLOCK: masks up to this length route in one launch
-constexpr int64_t kOneBlockSmall = 64;  // kernels/routing.py ONE_BLOCK_SMALL / _MID: smaller one-launch routings (the
-constexpr int64_t kOneBlockMid = 1024;  // smallest that holds the mask; decode steps take the 64-lane one)
-constexpr int64_t kSingleBlock = 1024;  // kernels/routing.py SINGLE_BLOCK
+// The routing's sizes (kAlign, kRowTail, kChunk, kOneBlock*, kSingleBlock, kSegSlots) and the other constants the
+// launchers share with the kernels: generated from kernels/*.py into kernel_decls.h (aot/cpp_decls.py), with every
+// kernel's argument struct.
 
 // perm int32 [M_pad] and seg int32 [5] = [0, start_1, end, count_0, count_1] on the device (kernels/GEMM.md).
 // aligned: each expert's segment starts at a multiple of kAlign and is padded to one (expert-ordered buffers have
@@ -111,10 +108,9 @@ inline int64_t aligned_rows(int64_t M) { return align_up(M) + kAlign; }
 // M_pad (perm's length) of a two-expert routing of M rows: aligned_rows(M), or M + kRowTail unaligned (no padding;
 // the tail lets a row tile read perm past M).
 inline int64_t perm_rows(int64_t M, bool aligned) { return aligned ? aligned_rows(M) : M + kRowTail; }
-// The slots of Routing::buffer ahead of perm (seg and 3 unused), and its length for an aligned routing of M rows:
+// The length of Routing::buffer for an aligned routing of M rows: kSegSlots (seg and 3 unused) ahead of perm, then
 // M + 2 * kAlign entries hold perm (M_pad <= M + 2 * kAlign - 1), and the length pins M exactly (a routing passed
 // back to an op is checked by its size; its contents would need a host sync).
-constexpr int64_t kSegSlots = 8;
 template <typename Int>
 Int routing_buffer_size(const Int& M) { return M + (kSegSlots + 2 * kAlign); }
 // The shared routing of fused::route (the `route` op): one int32 buffer of shared_routing_size(M) entries that holds
@@ -198,6 +194,8 @@ class Experts {
     const void* base;
     int64_t experts, stride_e, ld;
     int map;
+    // The rank-3 tensor descriptor [experts, rows, cols] over it (the TMA kernels' W).
+    DescArg desc(int64_t rows, int64_t cols) const { return {base, {experts, rows, cols}, {stride_e, ld, 1}}; }
   };
   const Stacked& stacked();
   bool stacked_by_copy() const { return stack_.defined(); }

@@ -4,6 +4,7 @@
 
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "runtime/launcher.h"
 
@@ -12,6 +13,12 @@ namespace fused {
 // Launches on the current CUDA stream of `like`'s device (the caller holds a device guard for it).
 void launch_on_current_stream(const char* kernel, const std::string& key, const KernelArgs& args, Grid grid,
                               const at::Tensor& like);
+
+// The same with a kernel's generated argument struct (build/aot/kernel_decls.h): the kernel's name comes with it.
+template <typename KernelArgStruct>
+void launch_on_current_stream(KernelArgStruct args, const std::string& key, Grid grid, const at::Tensor& like) {
+  launch_on_current_stream(KernelArgStruct::kernel, key, std::move(args).pack(), grid, like);
+}
 
 // Sets every element of the 4-byte-element tensor `t` (contiguous, on a CUDA device) to the bits of `value`, on the
 // current stream of its device (one driver memset; the caller holds a device guard).

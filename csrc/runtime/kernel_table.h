@@ -29,8 +29,9 @@ struct TmaMeta {
 struct KernelImage {
   int arch;  // 90 means sm_90(a)
   int is_ptx;
-  const unsigned char* data;
-  size_t size;
+  const unsigned char* data;  // zlib-compressed (runtime/image.h)
+  size_t size;                 // the image's bytes inflated (a PTX image: with its terminating NUL)
+  size_t stored_size;          // the bytes at `data`
   const char* entry;
   int shared_bytes;
   int num_warps;

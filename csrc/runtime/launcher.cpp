@@ -6,7 +6,9 @@
 #include <limits>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
+#include "runtime/image.h"
 #include "runtime/kernel_table.h"
 
 namespace fused {
@@ -162,7 +164,8 @@ LoadedFunction get_function(const DriverApi& api, const KernelVariant& v, int de
                     " bytes of shared memory; device " + std::to_string(device) + " allows " +
                     std::to_string(d.max_shared_optin));
   CUmodule mod;
-  check(api.ModuleLoadData(&mod, im->data), im->is_ptx ? "cuModuleLoadData (PTX JIT)" : "cuModuleLoadData");
+  const std::vector<unsigned char> image = inflate_image(*im);  // the driver keeps its own copy once loaded
+  check(api.ModuleLoadData(&mod, image.data()), im->is_ptx ? "cuModuleLoadData (PTX JIT)" : "cuModuleLoadData");
   CUfunction fn;
   check(api.ModuleGetFunction(&fn, mod, im->entry), "cuModuleGetFunction");
   if (im->shared_bytes > 48 * 1024)

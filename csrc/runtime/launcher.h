@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/cuda_driver.h"
@@ -44,6 +45,32 @@ class KernelArgs {
   }
   std::vector<Item> items_;
   std::vector<Desc> descs_;
+};
+
+// The fields of the argument structs that aot/cpp_decls.py generates for every kernel (build/aot/kernel_decls.h,
+// namespace fused::kernel_args), filled by name with designated initializers. None has a default constructor, so a
+// launcher that leaves an argument out does not compile; a pointer does not convert to an integer nor the reverse.
+struct PtrArg {
+  const void* p;
+  PtrArg(const void* ptr) : p(ptr) {}  // NOLINT(google-explicit-constructor): filled as `.x_ptr = t.data_ptr()`
+};
+struct I32Arg {
+  int64_t v;  // checked to fit in int32 when packed
+  I32Arg(int64_t value) : v(value) {}  // NOLINT(google-explicit-constructor)
+};
+struct I64Arg {
+  int64_t v;
+  I64Arg(int64_t value) : v(value) {}  // NOLINT(google-explicit-constructor)
+};
+struct F32Arg {
+  float v;
+  F32Arg(float value) : v(value) {}  // NOLINT(google-explicit-constructor)
+};
+struct DescArg {  // a tensor descriptor: base, shape and strides in elements, outermost first (KernelArgs::tensor)
+  const void* base;
+  std::vector<int64_t> shape, strides;
+  DescArg(const void* b, std::vector<int64_t> sh, std::vector<int64_t> st)
+      : base(b), shape(std::move(sh)), strides(std::move(st)) {}
 };
 
 // Allocates `bytes` of device memory that stays valid until the kernel has run on the stream (torch's caching
