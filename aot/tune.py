@@ -373,12 +373,16 @@ class RopeProblem:
         no_i32 = torch.zeros(1, device=DEV, dtype=torch.int32)
         sec = k if self.h2 else x
         rows = self.s * self.b
+        sx, so, sx2, so2 = self._st(x), self._st(out), self._st(sec), self._st(out2 if self.h2 else out)
         self.rope.rope_kernel[(-(-rows // bt), )](
-            x, out, sec, out2 if self.h2 else out, self.freqs, no_i32, no_i32, rows, self.s, self.b, self.h, self.h2,
-            self.d, self.d // 2, self.s, self.freqs.stride(0), *self._st(x), *self._st(out), *self._st(sec),
-            *self._st(out2 if self.h2 else out), 1, 0, 1 if self.bshd else 0, IS_THD=False, INTERLEAVED=False,
-            HAS_SECOND=bool(self.h2), BLOCK_T=bt, BLOCK_H=bh, BLOCK_HALF=bhalf, num_warps=cfg["warps"],
-            num_stages=cfg["stages"])
+            x_ptr=x, out_ptr=out, x2_ptr=sec, out2_ptr=out2 if self.h2 else out, freqs_ptr=self.freqs,
+            cu_seqlens_ptr=no_i32, start_ptr=no_i32, rows=rows, S=self.s, B=self.b, H=self.h, H2=self.h2, D=self.d,
+            HALF=self.d // 2, s_max=self.s, freqs_stride=self.freqs.stride(0),
+            sx_s=sx[0], sx_b=sx[1], sx_h=sx[2], sx_d=sx[3], so_s=so[0], so_b=so[1], so_h=so[2], so_d=so[3],
+            sx2_s=sx2[0], sx2_b=sx2[1], sx2_h=sx2[2], sx2_d=sx2[3],
+            so2_s=so2[0], so2_b=so2[1], so2_h=so2[2], so2_d=so2[3], cp_size=1, cp_rank=0, flags=1 if self.bshd else 0,
+            IS_THD=False, INTERLEAVED=False, HAS_SECOND=bool(self.h2), BLOCK_T=bt, BLOCK_H=bh, BLOCK_HALF=bhalf,
+            num_warps=cfg["warps"], num_stages=cfg["stages"])
         return out, out2
 
     def error(self, cfg):

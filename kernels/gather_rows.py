@@ -117,9 +117,9 @@ def launch_gather_rows(src, dst, perm, *, BLOCK_R=GATHER_ROWS, BLOCK_C=None, col
     cols, warps = GATHER_COLS[colsum is not None]
     BLOCK_C = BLOCK_C or cols
     grid = (triton.cdiv(M_pad, BLOCK_R), triton.cdiv(C, BLOCK_C))
-    gather_rows_kernel[grid](src, dst, perm, perm if colsum is None else colsum, M_pad, C, src.stride(0),
-                             dst.stride(0), COLSUM=colsum is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
-                             num_warps=warps)
+    gather_rows_kernel[grid](src_ptr=src, dst_ptr=dst, perm_ptr=perm, colsum_ptr=perm if colsum is None else colsum,
+                             M_pad=M_pad, C=C, stride_src=src.stride(0), stride_dst=dst.stride(0),
+                             COLSUM=colsum is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=warps)
     return dst
 
 
@@ -134,14 +134,15 @@ def launch_route_gather_rows(mask, src, dst, perm, seg, *, BLOCK_R=GATHER_ROWS, 
     BLOCK_C = BLOCK_C or cols
     mask_arg, _ = _mask_arg(mask, perm, block)
     grid = (max(1, triton.cdiv(M, BLOCK_R)), max(1, triton.cdiv(C, BLOCK_C)))  # M = 0: program (0, 0) writes seg
-    route_gather_rows_kernel[grid](mask_arg, src, dst, perm, seg, M, perm.shape[0], C, src.stride(0), dst.stride(0),
+    route_gather_rows_kernel[grid](mask_ptr=mask_arg, src_ptr=src, dst_ptr=dst, perm_ptr=perm, seg_ptr=seg, M=M,
+                                   M_pad=perm.shape[0], C=C, stride_src=src.stride(0), stride_dst=dst.stride(0),
                                    MASK_BLOCK=block, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=num_warps or warps)
     return dst
 
 
 def launch_expert_colsum(colsum, seg, sum0, sum1, *, ROWS_PER_BLOCK=GATHER_ROWS, BLOCK_B=64, BLOCK_C=64):
     num_blocks, C = colsum.shape
-    expert_colsum_kernel[(triton.cdiv(C, BLOCK_C),)](colsum, seg, sum0, sum1, num_blocks, C,
-                                                     ROWS_PER_BLOCK=ROWS_PER_BLOCK, BLOCK_B=BLOCK_B,
-                                                     BLOCK_C=BLOCK_C, num_warps=4)
+    expert_colsum_kernel[(triton.cdiv(C, BLOCK_C),)](colsum_ptr=colsum, seg_ptr=seg, sum0_ptr=sum0, sum1_ptr=sum1,
+                                                     num_blocks=num_blocks, C=C, ROWS_PER_BLOCK=ROWS_PER_BLOCK,
+                                                     BLOCK_B=BLOCK_B, BLOCK_C=BLOCK_C, num_warps=4)
     return sum0, sum1

@@ -156,12 +156,15 @@ def launch_routed_decode_linear(x, mask, w0, w1, bias0, bias1, out, *, n_split=N
     assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
     res = out if residual is None else residual
     routed_decode_linear_kernel[(triton.cdiv(N, BN), n_split, 2)](
-        x, m8, w0, w1, bias0, bias1, res, out, ws, M, N, K, k_split, x.stride(0), w0.stride(0), w1.stride(0),
-        out.stride(0), has_bias=has_bias, has_residual=residual is not None, INPUT_PRECISION=input_precision,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=1, num_warps=num_warps, num_stages=num_stages)
+        x_ptr=x, mask_ptr=m8, w0_ptr=w0, w1_ptr=w1, bias0_ptr=bias0, bias1_ptr=bias1, res_ptr=res, out_ptr=out,
+        ws_ptr=ws, M=M, N=N, K=K, k_split=k_split, stride_xm=x.stride(0), stride_w0=w0.stride(0),
+        stride_w1=w1.stride(0), stride_om=out.stride(0), has_bias=has_bias, has_residual=residual is not None,
+        INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=1, num_warps=num_warps,
+        num_stages=num_stages)
     if n_split > 1:
         decode_reduce_kernel[(M, triton.cdiv(N, DECODE_REDUCE_COLS))](
-            ws, m8, bias0, bias1, res, out, M, N, n_split, out.stride(0), has_bias=has_bias,
-            has_residual=residual is not None, MAX_SPLITS=DECODE_MAX_SPLITS, BLOCK_N=DECODE_REDUCE_COLS)
+            ws_ptr=ws, mask_ptr=m8, bias0_ptr=bias0, bias1_ptr=bias1, res_ptr=res, out_ptr=out, M=M, N=N,
+            n_split=n_split, stride_om=out.stride(0), has_bias=has_bias, has_residual=residual is not None,
+            MAX_SPLITS=DECODE_MAX_SPLITS, BLOCK_N=DECODE_REDUCE_COLS)
     return out
 

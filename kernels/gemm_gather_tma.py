@@ -167,15 +167,15 @@ def launch_routed_linear_gather_tma(a, w_stacked, bias0, bias1, out, perm, seg, 
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
     grid, ws, flags = _stream_k_args(STREAM_K, num_programs, tiles, BM, BN, out.device)
     assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
-    routed_linear_gather_tma_kernel[grid](a, w_desc, wh_desc, bias0, bias1, out, out if residual is None else residual,
-                                          perm, seg, mask_arg, ws, flags, M, M_pad, N, K, a.stride(0), out.stride(0),
-                                          w_map,
+    routed_linear_gather_tma_kernel[grid](a_ptr=a, w_desc=w_desc, wh_desc=wh_desc, bias0_ptr=bias0, bias1_ptr=bias1,
+                                          out_ptr=out, res_ptr=out if residual is None else residual, perm_ptr=perm,
+                                          seg_ptr=seg, mask_ptr=mask_arg, ws_ptr=ws, flag_ptr=flags, M=M, M_pad=M_pad,
+                                          N=N, K=K, stride_am=a.stride(0), stride_om=out.stride(0), w_map=w_map,
                                           has_bias=has_bias, has_residual=residual is not None,
                                           INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                                           GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
                                           SPLIT_TAIL=int(SPLIT_TAIL), STREAM_K=int(STREAM_K),
-                                          SK_WAIT=not _interpreting(), num_warps=num_warps,
-                                          num_stages=num_stages)
+                                          SK_WAIT=not _interpreting(), num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -192,9 +192,10 @@ def launch_routed_swiglu_gather_tma(a, w1_stacked, w3_stacked, h, perm, seg, *, 
     tiles = (M_pad // BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
     gu, stride_gu, save = _gate_up_arg(gate_up, h)
-    routed_swiglu_gather_tma_kernel[grid](a, w1_desc, w3_desc, h, gu, perm, seg, mask_arg, M, M_pad, N, K,
-                                          a.stride(0), h.stride(0), stride_gu, w_map, SAVE=save,
-                                          INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                          GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align, FLATTEN=FLATTEN,
-                                          num_warps=num_warps, num_stages=num_stages)
+    routed_swiglu_gather_tma_kernel[grid](a_ptr=a, w1_desc=w1_desc, w3_desc=w3_desc, h_ptr=h, gu_ptr=gu, perm_ptr=perm,
+                                          seg_ptr=seg, mask_ptr=mask_arg, M=M, M_pad=M_pad, N=N, K=K,
+                                          stride_am=a.stride(0), stride_hm=h.stride(0), stride_gu=stride_gu,
+                                          w_map=w_map, SAVE=save, INPUT_PRECISION=input_precision, BLOCK_M=BM,
+                                          BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, ROUTE_BLOCK=route_block, ALIGN=align,
+                                          FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return h

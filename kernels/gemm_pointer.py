@@ -155,11 +155,13 @@ def launch_routed_linear(a, w0, w1, bias0, bias1, out, perm, seg, N, K, *, gathe
         bias0 = bias1 = w0
     assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
     grid = _grid_mn(M_pad, N, BM, BN)
-    routed_linear_kernel[grid](a, w0, w1, bias0, bias1, out, out if residual is None else residual, perm, seg, M_pad,
-                               N, K, a.stride(0), w0.stride(0), out.stride(0), has_bias=has_bias,
-                               has_residual=residual is not None, GATHER_A=gather_a, SCATTER_OUT=scatter_out,
-                               W_TRANSPOSED=w_transposed, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
-                               BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
+    routed_linear_kernel[grid](a_ptr=a, w0_ptr=w0, w1_ptr=w1, bias0_ptr=bias0, bias1_ptr=bias1, out_ptr=out,
+                               res_ptr=out if residual is None else residual, perm_ptr=perm, seg_ptr=seg, M_pad=M_pad,
+                               N=N, K=K, stride_am=a.stride(0), stride_w=w0.stride(0), stride_om=out.stride(0),
+                               has_bias=has_bias, has_residual=residual is not None, GATHER_A=gather_a,
+                               SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed, INPUT_PRECISION=input_precision,
+                               BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=num_warps,
+                               num_stages=num_stages)
     return out
 
 
@@ -170,8 +172,9 @@ def launch_routed_swiglu(a, w1_0, w1_1, w3_0, w3_1, h, perm, seg, N, K, *, gathe
     M_pad = perm.shape[0]
     grid = _grid_mn(M_pad, N, BM, BN)
     gu, stride_gu, save = _gate_up_arg(gate_up, h)
-    routed_swiglu_kernel[grid](a, w1_0, w1_1, w3_0, w3_1, h, gu, perm, seg, M_pad, N, K, a.stride(0), w1_0.stride(0),
-                               h.stride(0), stride_gu, GATHER_A=gather_a, SCATTER_OUT=scatter_out, SAVE=save,
-                               INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                               GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
+    routed_swiglu_kernel[grid](a_ptr=a, w1_0_ptr=w1_0, w1_1_ptr=w1_1, w3_0_ptr=w3_0, w3_1_ptr=w3_1, h_ptr=h, gu_ptr=gu,
+                               perm_ptr=perm, seg_ptr=seg, M_pad=M_pad, N=N, K=K, stride_am=a.stride(0),
+                               stride_w=w1_0.stride(0), stride_hm=h.stride(0), stride_gu=stride_gu, GATHER_A=gather_a,
+                               SCATTER_OUT=scatter_out, SAVE=save, INPUT_PRECISION=input_precision, BLOCK_M=BM,
+                               BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, num_warps=num_warps, num_stages=num_stages)
     return h

@@ -352,12 +352,15 @@ def launch_routed_linear_tma(a_pad, w_stacked, bias0, bias1, out, perm, seg, *, 
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid, ws, flags = _stream_k_args(STREAM_K, num_programs, tiles, BM, BN, out.device)
     assert residual is None or (residual.shape == out.shape and residual.stride() == out.stride())
-    routed_linear_tma_kernel[grid](a_desc, w_desc, wh_desc, bias0, bias1, out, out if residual is None else residual,
-                                   perm, seg, ws, flags, one_rows, N, K, out.stride(0), w_map, has_bias=has_bias,
-                                   has_residual=residual is not None, SCATTER_OUT=scatter_out, W_TRANSPOSED=w_transposed,
-                                   INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                   GROUP_M=GROUP_M, FLATTEN=FLATTEN, SPLIT_TAIL=int(SPLIT_TAIL), STREAM_K=int(STREAM_K),
-                                   SK_WAIT=not _interpreting(), num_warps=num_warps, num_stages=num_stages)
+    routed_linear_tma_kernel[grid](a_desc=a_desc, w_desc=w_desc, wh_desc=wh_desc, bias0_ptr=bias0, bias1_ptr=bias1,
+                                   out_ptr=out, res_ptr=out if residual is None else residual, perm_ptr=perm,
+                                   seg_ptr=seg, ws_ptr=ws, flag_ptr=flags, one_rows=one_rows, N=N, K=K,
+                                   stride_om=out.stride(0), w_map=w_map, has_bias=has_bias,
+                                   has_residual=residual is not None, SCATTER_OUT=scatter_out,
+                                   W_TRANSPOSED=w_transposed, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
+                                   BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, SPLIT_TAIL=int(SPLIT_TAIL),
+                                   STREAM_K=int(STREAM_K), SK_WAIT=not _interpreting(), num_warps=num_warps,
+                                   num_stages=num_stages)
     return out
 
 
@@ -377,8 +380,9 @@ def launch_routed_swiglu_tma(a_pad, w1_stacked, w3_stacked, h, perm, seg, *, sca
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
     gu, stride_gu, save = _gate_up_arg(gate_up, h)
-    routed_swiglu_tma_kernel[grid](a_desc, w1_desc, w3_desc, h, gu, perm, seg, one_rows, N, K, h.stride(0), stride_gu,
-                                   w_map, SCATTER_OUT=scatter_out, SAVE=save, INPUT_PRECISION=input_precision,
+    routed_swiglu_tma_kernel[grid](a_desc=a_desc, w1_desc=w1_desc, w3_desc=w3_desc, h_ptr=h, gu_ptr=gu, perm_ptr=perm,
+                                   seg_ptr=seg, one_rows=one_rows, N=N, K=K, stride_hm=h.stride(0), stride_gu=stride_gu,
+                                   w_map=w_map, SCATTER_OUT=scatter_out, SAVE=save, INPUT_PRECISION=input_precision,
                                    BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN,
                                    num_warps=num_warps, num_stages=num_stages)
     return h
@@ -398,10 +402,11 @@ def launch_routed_swiglu_pair_tma(a_pad, w13, h, perm, seg, *, up_first=False, i
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
     gu, stride_gu, save = _gate_up_arg(gate_up, h)
-    routed_swiglu_pair_tma_kernel[grid](a_desc, w_desc, wh_desc, h, gu, perm, seg, one_rows, N, K, h.stride(0),
-                                        stride_gu, int(up_first), w_map, SAVE=save, INPUT_PRECISION=input_precision,
-                                        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN,
-                                        num_warps=num_warps, num_stages=num_stages)
+    routed_swiglu_pair_tma_kernel[grid](a_desc=a_desc, w13_desc=w_desc, w13h_desc=wh_desc, h_ptr=h, gu_ptr=gu,
+                                        perm_ptr=perm, seg_ptr=seg, one_rows=one_rows, N=N, K=K, stride_hm=h.stride(0),
+                                        stride_gu=stride_gu, up_first=int(up_first), w_map=w_map, SAVE=save,
+                                        INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                                        GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps, num_stages=num_stages)
     return h
 
 
@@ -418,8 +423,9 @@ def launch_routed_swiglu_pair_bwd_tma(a_pad, w13, h, dup, dgate, seg, *, up_firs
     w_desc = TensorDescriptor.from_tensor(w13, [2, 1, BN, BK])
     tiles = triton.cdiv(M_pad, BM) * triton.cdiv(N, BN)
     grid = (min(num_programs or tiles, tiles), )
-    routed_swiglu_pair_bwd_tma_kernel[grid](a_desc, w_desc, h, dup, dgate, seg, N, K, h.stride(0), int(up_first),
-                                            w_map, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                                            GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
+    routed_swiglu_pair_bwd_tma_kernel[grid](a_desc=a_desc, w13_desc=w_desc, h_ptr=h, dup_ptr=dup, dgate_ptr=dgate,
+                                            seg_ptr=seg, N=N, K=K, stride_hm=h.stride(0), up_first=int(up_first),
+                                            w_map=w_map, INPUT_PRECISION=input_precision, BLOCK_M=BM, BLOCK_N=BN,
+                                            BLOCK_K=BK, GROUP_M=GROUP_M, FLATTEN=FLATTEN, num_warps=num_warps,
                                             num_stages=num_stages)
     return h, dup, dgate

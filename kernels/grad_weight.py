@@ -180,10 +180,11 @@ def launch_routed_grad_weight(dy, x, perm, seg, dw0, dw1, db0=None, db1=None, *,
         db0, db1 = dw0, dw1
     first, n_e = _grad_weight_experts(experts)
     grid = (n_e * triton.cdiv(N, BN) * triton.cdiv(K, BK), )
-    routed_grad_weight_kernel[grid](dy, x, perm, seg, dw0, dw1, db0, db1, N, K, dy.stride(0), x.stride(0),
-                                    dw0.stride(0), first, GATHER=gather, HAS_DBIAS=has_db, ACCUMULATE=accumulate,
-                                    INPUT_PRECISION=input_precision, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR,
-                                    GROUP_N=GROUP_N, num_warps=num_warps, num_stages=num_stages)
+    routed_grad_weight_kernel[grid](dy_ptr=dy, x_ptr=x, perm_ptr=perm, seg_ptr=seg, dw0_ptr=dw0, dw1_ptr=dw1,
+                                    db0_ptr=db0, db1_ptr=db1, N=N, K=K, stride_dym=dy.stride(0), stride_xm=x.stride(0),
+                                    stride_dwn=dw0.stride(0), first_expert=first, GATHER=gather, HAS_DBIAS=has_db,
+                                    ACCUMULATE=accumulate, INPUT_PRECISION=input_precision, BLOCK_N=BN, BLOCK_K=BK,
+                                    BLOCK_R=BR, GROUP_N=GROUP_N, num_warps=num_warps, num_stages=num_stages)
     return dw0, dw1, (db0 if has_db else None), (db1 if has_db else None)
 
 
@@ -201,7 +202,8 @@ def launch_routed_grad_weight_tma(dy_pad, x_pad, seg, dw0, dw1, *, input_precisi
     _grad_weight_experts(experts)
     tiles = triton.cdiv(N, BN) * triton.cdiv(K, BK)
     grid = (min(num_programs or tiles, tiles), )
-    routed_grad_weight_tma_kernel[grid](dy_desc, x_desc, seg, dw0_desc, dw1_desc, N, K, sum(1 << e for e in experts),
+    routed_grad_weight_tma_kernel[grid](dy_desc=dy_desc, x_desc=x_desc, seg_ptr=seg, dw0_desc=dw0_desc,
+                                        dw1_desc=dw1_desc, N=N, K=K, experts=sum(1 << e for e in experts),
                                         INPUT_PRECISION=input_precision, BLOCK_N=BN, BLOCK_K=BK, BLOCK_R=BR,
                                         GROUP_N=GROUP_N, num_warps=num_warps, num_stages=num_stages)
     return dw0, dw1

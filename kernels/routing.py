@@ -266,12 +266,14 @@ def route(mask, align: int = 128, chunk: int = CHUNK, one_block: int = ONE_BLOCK
     if M == 0:  # keep a valid pointer for the (fully masked) mask loads
         mask = torch.zeros(1, dtype=torch.int8, device=dev)
     if one_block and M <= one_block:  # one_block = 0: always the two-kernel pass
-        routing_one_block_kernel[(1, )](mask, perm, seg, M, M_pad, BLOCK=one_block, ALIGN=align, num_warps=8)
+        routing_one_block_kernel[(1, )](mask_ptr=mask, perm_ptr=perm, seg_ptr=seg, M=M, M_pad=M_pad, BLOCK=one_block,
+                                        ALIGN=align, num_warps=8)
         return perm, seg
     nb = num_route_blocks(M, chunk)
     counts = torch.empty(nb * 2, dtype=torch.int32, device=dev)
-    routing_count_kernel[(nb, )](mask, counts, M, CHUNK=chunk)
-    routing_scatter_kernel[(nb, )](mask, counts, perm, seg, M, M_pad, nb, CHUNK=chunk, ALIGN=align)
+    routing_count_kernel[(nb, )](mask_ptr=mask, block_counts_ptr=counts, M=M, CHUNK=chunk)
+    routing_scatter_kernel[(nb, )](mask_ptr=mask, block_counts_ptr=counts, perm_ptr=perm, seg_ptr=seg, M=M, M_pad=M_pad,
+                                   num_blocks=nb, CHUNK=chunk, ALIGN=align)
     return perm, seg
 
 
@@ -294,7 +296,8 @@ def route_shared(mask, align: int = 128, block: int = ONE_BLOCK, buf=None):
     if buf is None:
         buf = torch.empty(size, dtype=torch.int32, device=mask.device)
     assert buf.shape == (size, ) and buf.dtype == torch.int32
-    routing_shared_kernel[(1, )](mask if M else buf, buf, M, M_pad, section, BLOCK=block, ALIGN=align, num_warps=8)
+    routing_shared_kernel[(1, )](mask_ptr=mask if M else buf, buf_ptr=buf, M=M, M_pad=M_pad, section=section,
+                                 BLOCK=block, ALIGN=align, num_warps=8)
     return buf
 
 
@@ -305,5 +308,6 @@ def route_single(M: int, device, align: int = 128, block: int = SINGLE_BLOCK):
     M_pad = single_padded_rows(M, align)
     perm = torch.empty(M_pad, dtype=torch.int32, device=device)
     seg = torch.empty(5, dtype=torch.int32, device=device)
-    routing_single_kernel[(triton.cdiv(M_pad, block), )](perm, seg, M, M_pad, BLOCK=block, ALIGN=align)
+    routing_single_kernel[(triton.cdiv(M_pad, block), )](perm_ptr=perm, seg_ptr=seg, M=M, M_pad=M_pad, BLOCK=block,
+                                                         ALIGN=align)
     return perm, seg

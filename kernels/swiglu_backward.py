@@ -66,7 +66,8 @@ def launch_swiglu_backward(gate, up, dh, h=None, dup=None, perm=None, *, BLOCK_R
     n_rows, n_cols = dh.shape
     assert h.stride() == dup.stride() == dh.stride() and gate.stride() == up.stride()
     grid = (triton.cdiv(n_rows, BLOCK_R), triton.cdiv(n_cols, BLOCK_C))
-    swiglu_backward_kernel[grid](gate, up, dh, h, dup, dh if perm is None else perm, n_rows, n_cols, gate.stride(0),
-                                 dh.stride(0), GATHER=perm is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
-                                 num_warps=num_warps)
+    swiglu_backward_kernel[grid](gate_ptr=gate, up_ptr=up, dh_ptr=dh, h_ptr=h, dup_ptr=dup,
+                                 perm_ptr=dh if perm is None else perm, n_rows=n_rows, n_cols=n_cols,
+                                 stride_in=gate.stride(0), stride=dh.stride(0), GATHER=perm is not None,
+                                 BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=num_warps)
     return h, dup, dh

@@ -50,9 +50,13 @@ def rope_launch(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=No
     flags |= (K.FLAG_HAS_START if start_positions is not None else 0) | (0 if inplace else K.FLAG_COPY_PASS)
     dummy = torch.zeros(1, dtype=torch.int32)
     K.rope_kernel[(triton.cdiv(rows, block_t),)](
-        t, out, second if second is not None else t, out2, f2,
-        cu_seqlens if cu_seqlens is not None else dummy, start_positions if start_positions is not None else dummy,
-        rows, S, B, H, H2, D, d2 // 2, f2.shape[0], f2.stride(0), *sx, *so, *sx2, *so2, cp_size, cp_rank, flags,
+        x_ptr=t, out_ptr=out, x2_ptr=second if second is not None else t, out2_ptr=out2, freqs_ptr=f2,
+        cu_seqlens_ptr=cu_seqlens if cu_seqlens is not None else dummy,
+        start_ptr=start_positions if start_positions is not None else dummy,
+        rows=rows, S=S, B=B, H=H, H2=H2, D=D, HALF=d2 // 2, s_max=f2.shape[0], freqs_stride=f2.stride(0),
+        sx_s=sx[0], sx_b=sx[1], sx_h=sx[2], sx_d=sx[3], so_s=so[0], so_b=so[1], so_h=so[2], so_d=so[3],
+        sx2_s=sx2[0], sx2_b=sx2[1], sx2_h=sx2[2], sx2_d=sx2[3], so2_s=so2[0], so2_b=so2[1], so2_h=so2[2], so2_d=so2[3],
+        cp_size=cp_size, cp_rank=cp_rank, flags=flags,
         IS_THD=is_thd, INTERLEAVED=interleaved, HAS_SECOND=second is not None,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half)
     return (out, out2) if second is not None else out

@@ -677,7 +677,7 @@ def test_expert_tile_order(num_pid_m, t0, num_pid_n):
     G = 4
     n = num_pid_m * num_pid_n
     out = torch.full((max(n, 1), 2), -1, dtype=torch.int32)
-    _tile_order_kernel[(n,)](out, t0, num_pid_m, num_pid_n, GROUP_M=G)
+    _tile_order_kernel[(n,)](out_ptr=out, t0=t0, num_pid_m=num_pid_m, num_pid_n=num_pid_n, GROUP_M=G)
     order = [tuple(r) for r in out[:n].tolist()]
     assert sorted(order) == [(m, c) for m in range(num_pid_m) for c in range(num_pid_n)]
     assert all((m < t0) == (i < t0 * num_pid_n) for i, (m, _) in enumerate(order))
