@@ -223,9 +223,7 @@ def test_cpp_typed_signatures_are_the_schemas():
 #: README's rows -> perf.md's rows (a README cell "a / b" holds both rows' values)
 MODEL_ROWS = {
     "prefill, 8192 tokens": ["prefill 8192, ms"],
-    "prefill, 2048 tokens": ["prefill 2048, ms"],
     "training step, 8192 tokens": ["training step 8192, ms"],
-    "training step, 2048 tokens": ["training step 2048, ms"],
     "decode, batch 1 / 16 (cache 8192)": ["decode batch 1, ms", "decode batch 16, ms"],
     "peak memory, training step 8192, MiB": ["peak memory, training 8192, MiB"],
     "CUDA kernels per layer forward": ["kernels per layer forward (8192)"],
