@@ -16,8 +16,8 @@ Results are cached under `<out>/cache/` keyed by the kernel's source (its @trito
 the Triton version, the target and the options, so a rebuild compiles only the images of the kernels that changed.
 Compilation runs in a process pool on all cores and prints its progress (images done / total and an estimate of the
 time left). The output is `<out>/kernels_gen.cpp`, the variant table that csrc/runtime/kernel_table.h declares, and
-`<out>/kernel_decls.h`, each kernel's argument struct and the constants the launchers share (aot/cpp_decls.py). The table holds
-every image zlib-compressed (`<out>/cache/<key>.*.z`; csrc/runtime/launcher.cpp inflates an image when a
+`<out>/kernel_decls.h`, each kernel's argument struct and the constants the launchers share (aot/cpp_decls.py). The
+table holds every image zlib-compressed (`<out>/cache/<key>.*.z`; csrc/runtime/image.cpp inflates an image when a
 device first loads it): cubins compress about 4x, and the library is what every install, wheel and container layer
 carries.
 """
@@ -293,7 +293,8 @@ def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
             if md["tensordesc_meta"]:
                 tma = f"v{vi}_tma{ii}"
                 parts.append(f"const TmaMeta {tma}[] = {{" + ", ".join(_tma_row(m) for m in md["tensordesc_meta"]) + "};")
-            rows.append(f'{{{arch}, {is_ptx}, {sym}, {size}, {stored}, "{md["entry"]}", {md["shared"]}, {md["num_warps"]}, '
+            rows.append(f'{{{arch}, {is_ptx}, {sym}, {size}, {stored}, "{md["entry"]}", {md["shared"]}, '
+                        f'{md["num_warps"]}, '
                         f'{md["num_ctas"]}, {md["global_scratch_size"]}, {md["global_scratch_align"]}, {tma}, '
                         f'{len(md["tensordesc_meta"])}, {md.get("pdl", 0)}}}')
         img_rows = ",\n  ".join(rows)

@@ -271,7 +271,8 @@ def _routing_variants() -> List[Variant]:
             out.append(Variant("kernels.routing:routing_one_block_kernel", {"align": align, "block": block},
                                runtime_args("kernels.routing:routing_one_block_kernel"), {"BLOCK": block, "ALIGN": align}, {}, warps, 1, ARCHS))
         out.append(Variant("kernels.routing:routing_scatter_kernel", {"align": align, "chunk": routing.CHUNK},
-                           runtime_args("kernels.routing:routing_scatter_kernel"), {"CHUNK": routing.CHUNK, "ALIGN": align}, {}, 4, 1, ARCHS))
+                           runtime_args("kernels.routing:routing_scatter_kernel"),
+                           {"CHUNK": routing.CHUNK, "ALIGN": align}, {}, 4, 1, ARCHS))
         out.append(Variant("kernels.routing:routing_single_kernel", {"align": align, "block": routing.SINGLE_BLOCK},
                            runtime_args("kernels.routing:routing_single_kernel"), {"BLOCK": routing.SINGLE_BLOCK, "ALIGN": align}, {}, 4, 1, ARCHS))
     # The `route` op's buffer (both routings, the aligned one to ROUTING_ALIGN) in one launch.
@@ -280,7 +281,8 @@ def _routing_variants() -> List[Variant]:
                            runtime_args("kernels.routing:routing_shared_kernel"),
                            {"BLOCK": block, "ALIGN": config_table.ROUTING_ALIGN}, {}, warps, 1, ARCHS))
     out.append(Variant("kernels.routing:routing_count_kernel", {"chunk": routing.CHUNK},
-                       runtime_args("kernels.routing:routing_count_kernel"), {"CHUNK": routing.CHUNK}, {}, 4, 1, ARCHS))
+                       runtime_args("kernels.routing:routing_count_kernel"), {"CHUNK": routing.CHUNK}, {}, 4, 1,
+                       ARCHS))
     return out
 
 

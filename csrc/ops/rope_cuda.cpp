@@ -13,7 +13,8 @@
 namespace fused {
 namespace {
 
-// The flag bits of rope_kernel's `flags` (kBshd, kBackward, kHasStart, kCopyPass): kernel_decls.h, from kernels/rope.py.
+// The flag bits of rope_kernel's `flags` (kBshd, kBackward, kHasStart, kCopyPass): kernel_decls.h, from
+// kernels/rope.py.
 using namespace rope_flags;
 
 const char* dtype_name(at::ScalarType t) {
@@ -50,8 +51,8 @@ void launch_rope(const RopeGeometry& g, const RopeOptions& o, const at::Tensor& 
   const auto sx = rope_strides(x, g.format), so = rope_strides(out, g.format);
   const auto sx2 = rope_strides(x2_or_x, g.format), so2 = rope_strides(out2_or_out, g.format);
   kernel_args::rope_kernel args{
-      .x_ptr = x.data_ptr(), .out_ptr = out.data_ptr(), .x2_ptr = x2_or_x.data_ptr(), .out2_ptr = out2_or_out.data_ptr(),
-      .freqs_ptr = f.data_ptr(), .cu_seqlens_ptr = cu.data_ptr(), .start_ptr = sp.data_ptr(), .rows = g.rows,
+      .x_ptr = x.data_ptr(), .out_ptr = out.data_ptr(), .x2_ptr = x2_or_x.data_ptr(),
+      .out2_ptr = out2_or_out.data_ptr(), .freqs_ptr = f.data_ptr(), .cu_seqlens_ptr = cu.data_ptr(), .start_ptr = sp.data_ptr(), .rows = g.rows,
       .S = g.S, .B = g.B, .H = g.H, .H2 = H2, .D = g.D, .HALF = g.D2 / 2, .s_max = g.s_max,
       .freqs_stride = f.stride(0), .sx_s = sx[0], .sx_b = sx[1], .sx_h = sx[2], .sx_d = sx[3], .so_s = so[0],
       .so_b = so[1], .so_h = so[2], .so_d = so[3], .sx2_s = sx2[0], .sx2_b = sx2[1], .sx2_h = sx2[2],
