@@ -1,0 +1,52 @@
+"""The AOT step's build choices (aot/compile.py), CPU tier: which architectures a build compiles, where PTX is kept,
+and the compressed images the library embeds."""
+import os
+import sys
+import zlib
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from aot import compile as aot_compile  # noqa: E402
+from aot import manifest  # noqa: E402
+
+
+@pytest.mark.parametrize("spec, want", [("all", (80, 89, 90)), ("90", (90,)), ("90,80", (80, 90)),
+                                        ("80;90", (80, 90)), (" 89 ", (89,))])
+def test_resolve_archs_lists(spec, want):
+    assert aot_compile.resolve_archs(spec) == want
+
+
+def test_resolve_archs_auto_is_the_visible_gpus_else_every_supported_one(monkeypatch):
+    monkeypatch.setattr(aot_compile, "_visible_archs", lambda: ())
+    assert aot_compile.resolve_archs("auto") == manifest.PORTABLE_ARCHS
+    monkeypatch.setattr(aot_compile, "_visible_archs", lambda: (90,))
+    assert aot_compile.resolve_archs("auto") == (90,)
+    monkeypatch.setenv("FUSED_ARCHS", "")
+    assert aot_compile.resolve_archs() == (90,)  # unset or empty: auto
+    monkeypatch.setenv("FUSED_ARCHS", "80")
+    assert aot_compile.resolve_archs() == (80,)
+
+
+@pytest.mark.parametrize("spec", ["75", "80,100", "sm_90", ","])
+def test_resolve_archs_names_what_is_wrong(spec):
+    with pytest.raises(ValueError, match="FUSED_ARCHS"):
+        aot_compile.resolve_archs(spec)
+
+
+def test_ptx_only_where_a_newer_gpu_can_compile_it():
+    assert aot_compile._keep_ptx(80, [80, 89, 90])
+    assert not aot_compile._keep_ptx(89, [80, 89, 90])
+    assert not aot_compile._keep_ptx(90, [90])  # sm_90a code: no other architecture compiles it
+
+
+def test_compressed_images_inflate_to_the_bytes_the_driver_loads(tmp_path):
+    cubin, ptx = tmp_path / "k.cubin", tmp_path / "k.ptx"
+    cubin.write_bytes(os.urandom(1000) + bytes(3000))
+    ptx.write_text(".version 8.0\n.target sm_80\n" * 50)
+    for path, want in ((cubin, cubin.read_bytes()), (ptx, ptx.read_bytes() + b"\0")):  # PTX: NUL-terminated
+        z = aot_compile._compressed(str(path))
+        with open(z, "rb") as f:
+            assert zlib.decompress(f.read()) == want
