@@ -50,3 +50,27 @@ def test_compressed_images_inflate_to_the_bytes_the_driver_loads(tmp_path):
         z = aot_compile._compressed(str(path))
         with open(z, "rb") as f:
             assert zlib.decompress(f.read()) == want
+
+
+def _records(times):
+    """tune.load_results' form: (kernel, shape, cfg) -> record, from {(m, cfg): ms} on one N x K shape."""
+    kernel = "routed_linear_tma_kernel"
+    return {(kernel, f"M{m}_N4096_K4096", c): {"m": m, "n": 4096, "k": 4096, "ms": ms} for (m, c), ms in times.items()}
+
+
+def test_fold_report_folds_a_config_only_within_the_tolerance():
+    from aot import fold_report
+    small = {"block": [64, 64, 128], "group": 8, "warps": 4, "stages": 4}
+    large = {"block": [128, 256, 64], "group": 8, "warps": 8, "stages": 3}
+    table = {"kernels": {"routed_linear_tma_kernel": {"half": [dict(small, max_m=256), dict(large)]}}}
+    a, b = "64x64x128_g8_w4_s4", "128x256x64_g8_w8_s3"
+    # the large config's bucket (m > 256) costs 1% more on the small one; the small one's costs 50% more on the large
+    done = _records({(256, a): 1.0, (256, b): 1.5, (2048, a): 1.01, (2048, b): 1.0})
+    folds, kept = fold_report.fold(done, "routed_linear_tma_kernel", "half", table, 1.015)
+    assert [(c, t) for c, t, _ in folds] == [(b, [a])] and kept == [a]
+    assert abs(folds[0][2] - 1.01) < 1e-9
+    assert fold_report.fold(done, "routed_linear_tma_kernel", "half", table, 1.005) == ([], [a, b])
+    # a bucket whose m was not measured keeps its config (the large one's, m > 256), whatever the tolerance
+    partial = _records({(256, a): 1.0, (256, b): 1.5})
+    folds, kept = fold_report.fold(partial, "routed_linear_tma_kernel", "half", table, 2.0)
+    assert [c for c, _, _ in folds] == [a] and kept == [b]
