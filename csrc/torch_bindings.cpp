@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "ops/rope.h"
+#include "ops/routed_gemm.h"
 #include "runtime/kernel_configs.h"
 #include "runtime/launcher.h"
 
@@ -100,6 +101,13 @@ TORCH_LIBRARY(fused, m) {
   m.def("_config_lookup_ns(int iters) -> float", [](int64_t iters) { return fused::time_config_lookups(iters); });
   // The build's variant check (csrc/ops/variant_check.cpp), as "sm_<arch> <kernel>: <key>": every variant the
   // launchers can ask for on a built architecture, and those of them this build did not compile. Needs no GPU.
+  // The launchers' sizing rules (csrc/ops/routed_gemm.h), for the test that they equal the Python launchers'.
+  m.def("_one_block_size(int m) -> int", [](int64_t m) { return fused::routed::one_block_size(m); });
+  m.def("_decode_split(int n, int k, int bn, int bk, int sms) -> int[]",
+        [](int64_t n, int64_t k, int64_t bn, int64_t bk, int64_t sms) {
+          const auto [n_split, k_split] = fused::routed::decode_split(n, k, bn, bk, sms);
+          return std::vector<int64_t>{n_split, k_split};
+        });
   m.def("_requestable_variants() -> str[]");
   m.def("_missing_variants() -> str[]");
 }

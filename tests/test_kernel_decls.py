@@ -79,3 +79,20 @@ def test_a_wrong_launch_does_not_compile(header_dir, tmp_path, case):
     r = subprocess.run([CXX, "-std=c++20", "-fsyntax-only", f"-I{header_dir}", f"-I{os.path.join(ROOT, 'csrc')}",
                         f"-I{_cuda_include()}", str(src)], capture_output=True, text=True)
     assert (r.returncode == 0) == (case == "ok"), r.stderr[-3000:]
+
+
+def test_sizing_rules_equal_the_python_launchers():
+    """The rules the C++ launchers size their launches by (csrc/ops/routed_gemm.h one_block_size, decode_split) are
+    written in both languages: they must agree everywhere a launch can take them."""
+    torch = pytest.importorskip("torch")
+    import fused_ops  # noqa: F401  (registers torch.ops.fused)
+    from kernels.gemm_decode import decode_split
+    from kernels.routing import one_block_size
+    for m in list(range(0, 70)) + [1023, 1024, 1025, 4095, 4096, 4097, 100000]:
+        assert torch.ops.fused._one_block_size(m) == one_block_size(m), m
+    for n in (1, 64, 1280, 4096, 14336, 28672):
+        for k in (0, 1, 255, 4096, 14336):
+            for bn, bk in ((32, 128), (64, 256), (32, 256)):
+                for sms in (8, 78, 132):
+                    want = list(decode_split(n, k, bn, bk, sms))
+                    assert torch.ops.fused._decode_split(n, k, bn, bk, sms) == want, (n, k, bn, bk, sms)

@@ -192,12 +192,11 @@ at::Tensor unit_inner(const at::Tensor& w) { return (w.size(1) > 1 && w.stride(1
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------- routing
-namespace {
-// kernels/routing.py one_block_size: the one-block routing's BLOCK for M rows (the smallest that holds the mask; a
-// decode step takes the 64-lane one), 0 past kOneBlock.
 int64_t one_block_size(int64_t M) {
   return M <= kOneBlockSmall ? kOneBlockSmall : M <= kOneBlockMid ? kOneBlockMid : M <= kOneBlock ? kOneBlock : 0;
 }
+
+namespace {
 
 // The mask argument of a routing kernel: M = 0 masks every load, any valid pointer serves.
 const void* mask_arg(const Routing& r) { return r.M > 0 ? r.pending.data_ptr() : r.perm.data_ptr(); }
@@ -618,12 +617,6 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
   }
 }
 
-namespace {
-// kernels/gemm_decode.py decode_split: (n_split, k_split) for n output columns and reduction length k. One split
-// where one expert's column tiles (a decode token uses one expert) reach half the SMs: the second kernel that sums the
-// splits would cost more than it saves. Below that, enough splits that one expert's programs number about twice the
-// SMs, each split at least 4 K blocks (fewer would spend more on the partial sums than they save), at most
-// kDecodeMaxSplits (what decode_reduce_kernel sums). k_split is a multiple of the K block.
 std::pair<int64_t, int64_t> decode_split(int64_t n, int64_t k, int64_t bn, int64_t bk, int64_t sms) {
   const int64_t k_blocks = cdiv(k, bk), tiles_n = cdiv(n, bn);
   const int64_t n_split = 2 * tiles_n >= sms ? 1
@@ -632,7 +625,6 @@ std::pair<int64_t, int64_t> decode_split(int64_t n, int64_t k, int64_t bn, int64
   const int64_t k_split = std::max(cdiv(k_blocks, n_split) * bk, bk);
   return {k > 0 ? cdiv(k, k_split) : 1, k_split};
 }
-}  // namespace
 
 bool decode_linear(const Gemm& g, const at::Tensor& x, const at::Tensor& mask, const at::Tensor& w_text,
                    const at::Tensor& w_vision, const at::Tensor& bias0, const at::Tensor& bias1, const at::Tensor& out,

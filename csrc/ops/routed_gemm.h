@@ -12,6 +12,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernel_decls.h"  // generated: build/aot (aot/cpp_decls.py)
@@ -108,6 +109,19 @@ inline int64_t aligned_rows(int64_t M) { return align_up(M) + kAlign; }
 // M_pad (perm's length) of a two-expert routing of M rows: aligned_rows(M), or M + kRowTail unaligned (no padding;
 // the tail lets a row tile read perm past M).
 inline int64_t perm_rows(int64_t M, bool aligned) { return aligned ? aligned_rows(M) : M + kRowTail; }
+// The launchers' sizing rules, written in C++ and in Python (each launcher computes its grid from them);
+// torch.ops.fused._one_block_size / _decode_split expose these for tests/test_kernel_decls.py, which checks that they
+// equal kernels/routing.py one_block_size and kernels/gemm_decode.py decode_split.
+// The one-block routing's BLOCK for M rows (the smallest that holds the mask; a decode step takes the 64-lane one),
+// 0 past kOneBlock.
+int64_t one_block_size(int64_t M);
+// The decode GEMM's (n_split, k_split) for n output columns and reduction length k. One split where one expert's
+// column tiles (a decode token uses one expert) reach half the SMs: the second kernel that sums the splits would cost
+// more than it saves. Below that, enough splits that one expert's programs number about twice the SMs, each split at
+// least 4 K blocks (fewer would spend more on the partial sums than they save), at most kDecodeMaxSplits (what
+// decode_reduce_kernel sums). k_split is a multiple of the K block.
+std::pair<int64_t, int64_t> decode_split(int64_t n, int64_t k, int64_t bn, int64_t bk, int64_t sms);
+
 // The length of Routing::buffer for an aligned routing of M rows: kSegSlots (seg and 3 unused) ahead of perm, then
 // M + 2 * kAlign entries hold perm (M_pad <= M + 2 * kAlign - 1), and the length pins M exactly (a routing passed
 // back to an op is checked by its size; its contents would need a host sync).
