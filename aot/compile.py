@@ -155,9 +155,14 @@ def resolve_archs(spec=None):
     return archs
 
 
+def _portable_ptx(arch: int) -> bool:
+    """Whether arch's PTX can serve another GPU (below sm_90: sm_90 code is sm_90a). The cache keeps such PTX."""
+    return arch < 90
+
+
 def _keep_ptx(arch: int, archs) -> bool:
-    """The PTX of the lowest built architecture, where it is portable (below sm_90: sm_90 code is sm_90a)."""
-    return arch == min(archs) and arch < 90
+    """The PTX of the lowest built architecture, where it is portable."""
+    return arch == min(archs) and _portable_ptx(arch)
 
 
 def _compressed(path: str) -> str:
@@ -172,9 +177,22 @@ def _compressed(path: str) -> str:
     return z
 
 
+def write_if_changed(path: str, text: str) -> None:
+    """Writes text to path unless the file holds it already: an unchanged generated source keeps its time stamp, so
+    the C++ build does not compile it again (setup_env.sh runs the AOT step, then pip's build runs it once more)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            if f.read() == text:
+                return
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def _compile_one(job):
-    """Runs in a worker process: compiles one (variant, arch) and writes cubin/ptx/meta into the cache."""
-    v, arch, cache_dir, key, keep_ptx = job
+    """Runs in a worker process: compiles one (variant, arch) and writes cubin/ptx/meta into the cache, each image
+    compressed too (in the pool, not serially when the table is generated)."""
+    v, arch, cache_dir, key = job
     t0 = time.time()
     k = compile_variant(v, arch)
     md = k.metadata
@@ -186,9 +204,11 @@ def _compile_one(job):
             "seconds": round(time.time() - t0, 2)}
     with open(os.path.join(cache_dir, key + ".cubin"), "wb") as f:
         f.write(k.asm["cubin"])
-    if keep_ptx:
+    _compressed(os.path.join(cache_dir, key + ".cubin"))
+    if _portable_ptx(arch):  # kept whichever architectures this build embeds PTX for: the cache serves every build
         with open(os.path.join(cache_dir, key + ".ptx"), "w") as f:
             f.write(k.asm["ptx"])
+        _compressed(os.path.join(cache_dir, key + ".ptx"))
     with open(os.path.join(cache_dir, key + ".json"), "w") as f:  # written last: marks the entry complete
         json.dump(meta, f)
     return key
@@ -268,9 +288,8 @@ def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
     table = []
     for vi, v in enumerate(variants):
         images = []
-        for arch in archs:
-            if arch not in v.archs:
-                continue
+        built = [a for a in archs if a in v.archs]
+        for arch in built:
             key = jobs_by_variant[(vi, arch)]
             with open(os.path.join(cache_dir, key + ".json")) as f:
                 md = json.load(f)
@@ -279,7 +298,6 @@ def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
             if len(md["tensordesc_meta"]) != n_desc:
                 raise RuntimeError(f"{v.name} sm_{arch}: {n_desc} tensor descriptor arguments but the compiler "
                                    f"reports {len(md['tensordesc_meta'])} lowered to TMA; only TMA lowering is supported")
-            built = [a for a in archs if a in v.archs]
             files = [(0, "sm", cubin)] + ([(1, "ptx", os.path.join(cache_dir, key + ".ptx"))]
                                           if _keep_ptx(arch, built) else [])
             for is_ptx, tag, path in files:
@@ -315,10 +333,7 @@ def _generate(variants, archs, jobs_by_variant, cache_dir, out_path):
               "const char* const kBuiltArchs = \"" + ", ".join(f"sm_{a}" for a in archs) +
               (f" (+PTX sm_{min(archs)})" if _keep_ptx(min(archs), archs) else "") + "\";", _flag_rows(),
               "}  // namespace fused", ""]
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("\n".join(parts))
-    os.replace(tmp, out_path)
+    write_if_changed(out_path, "\n".join(parts))
 
 
 def build(out_dir: str, archs=None, jobs=None, quiet=False) -> str:
@@ -340,8 +355,11 @@ def build(out_dir: str, archs=None, jobs=None, quiet=False) -> str:
             key = _job_key(v, arch, triton.__version__)
             jobs_by_variant[(vi, arch)] = key
             total += 1
-            if not os.path.exists(os.path.join(cache_dir, key + ".json")):
-                todo.append((v, arch, cache_dir, key, _keep_ptx(arch, [a for a in archs if a in v.archs])))
+            # an entry made before its PTX was kept (an older cache) compiles again where this build embeds the PTX
+            complete = os.path.exists(os.path.join(cache_dir, key + ".json")) and (
+                not _portable_ptx(arch) or os.path.exists(os.path.join(cache_dir, key + ".ptx")))
+            if not complete:
+                todo.append((v, arch, cache_dir, key))
     done = total - len(todo)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     say(f"[aot] triton {triton.__version__}: {total} kernel images for {', '.join(f'sm_{a}' for a in archs)}; "
@@ -366,7 +384,8 @@ def build(out_dir: str, archs=None, jobs=None, quiet=False) -> str:
     _check_shared(variants, archs, jobs_by_variant, cache_dir)
     out_path = os.path.join(out_dir, "kernels_gen.cpp")
     _generate(variants, archs, jobs_by_variant, cache_dir, out_path)
-    decls = cpp_decls.write(out_dir, variants, _type_code)
+    decls = os.path.join(out_dir, "kernel_decls.h")
+    write_if_changed(decls, cpp_decls.header(variants, _type_code))
     say(f"[aot] wrote {out_path} and {decls}")
     return out_path
 

@@ -1,5 +1,5 @@
-"""The C++ side of each kernel's declaration, generated: <out>/kernel_decls.h, written by aot/compile.py next to the
-kernel table, so that no argument list and no constant is written in both languages.
+"""The C++ side of each kernel's declaration, generated: header() is <out>/kernel_decls.h, which aot/compile.py
+writes next to the kernel table, so that no argument list and no constant is written in both languages.
 
 * One argument struct per kernel (namespace fused::kernel_args, named as the @triton.jit function), its fields the
   kernel's runtime arguments in signature order, with the types the manifest gives them (aot/manifest.py
@@ -10,7 +10,6 @@ kernel table, so that no argument list and no constant is written in both langua
   fused::routed and fused::rope_flags): the routing's sizes, rope's flag bits,
   the gather's and the decode reduction's blocks, read here from the Python modules that define them.
 """
-import os
 from typing import Dict, List, Tuple
 
 from aot import config_table
@@ -75,13 +74,3 @@ def header(variants, type_code) -> str:
         lines += ["    return a;", "  }", "};"]
     lines += ["", "}  // namespace kernel_args", "}  // namespace fused", ""]
     return "\n".join(lines)
-
-
-def write(out_dir: str, variants, type_code) -> str:
-    path = os.path.join(out_dir, "kernel_decls.h")
-    text = header(variants, type_code)
-    if not os.path.exists(path) or open(path).read() != text:  # unchanged: no C++ recompiles
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
-    return path

@@ -41,6 +41,7 @@ def bucket_costs(done, kernel, fam, table, cfgs):
     """[(bucket cfg, {other cfg: cost}, measured m)] for every bucket that is not "off"."""
     buckets = ct.buckets(table, kernel, fam)
     classes = [c for c in dict.fromkeys(ct.shape_class(e) for e in buckets) if c != ct.GENERAL]
+    measured_ms = sorted({r["m"] for (kk, _, _), r in done.items() if kk == kernel})
     out = []
     for e, cls, lo, hi in _bucket_ranges(buckets):
         if e.get("off"):
@@ -48,15 +49,13 @@ def bucket_costs(done, kernel, fam, table, cfgs):
         own = ct.cfg_str(e)
         want = None if cls == ct.GENERAL else cls
         admit = (lambda n, k, wt, want=want: tune._owner(classes, n, k, wt) == want)  # noqa: E731
-        scores = tune._scores(done, kernel, sorted({r["m"] for (kk, _, _), r in done.items() if kk == kernel}),
-                              admit)
+        scores = tune._scores(done, kernel, measured_ms, admit)
         ms = [m for m in scores if m is not None and m > lo and (hi is None or m <= hi) and own in scores[m][0]]
         costs = {}
         for alt in cfgs:
             if alt == own or not ms or not all(alt in scores[m][0] for m in ms):
                 continue
-            if kernel in ct.ROWS_IN_ONE_BLOCK and hi is not None and alt.split("x")[0].isdigit() and \
-                    int(alt.split("x")[0]) < hi:
+            if kernel in ct.ROWS_IN_ONE_BLOCK and hi is not None and int(alt.split("x")[0]) < hi:
                 continue  # a decode bucket's rows must fit the config's BLOCK_M
             costs[alt] = math.exp(sum(math.log(scores[m][0][alt] / scores[m][0][own]) for m in ms) / len(ms))
         out.append((own, costs, ms))

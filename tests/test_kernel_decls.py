@@ -16,23 +16,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from aot import compile as aot_compile  # noqa: E402
-from aot import cpp_decls, manifest  # noqa: E402
+from aot import cpp_decls, manifest, toolchain  # noqa: E402
 
 CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
 def _cuda_include():
-    from torch.utils import cpp_extension
-    for base in (os.environ.get("CUDA_HOME", ""), cpp_extension.CUDA_HOME or "", "/usr/local/cuda"):
-        if base and os.path.exists(os.path.join(base, "include", "cuda.h")):
-            return os.path.join(base, "include")
-    return None
+    try:
+        return toolchain.cuda_include_dirs()[0]
+    except RuntimeError:
+        return None
 
 
 @pytest.fixture(scope="module")
 def header_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("decls"))
-    cpp_decls.write(d, manifest.variants(), aot_compile._type_code)
+    aot_compile.write_if_changed(os.path.join(d, "kernel_decls.h"),
+                                 cpp_decls.header(manifest.variants(), aot_compile._type_code))
     return d
 
 
