@@ -333,7 +333,7 @@ assert set(picked) == {"routed_linear_gather_tma_kernel", "routed_swiglu_pair_tm
 with tempfile.TemporaryDirectory() as d:
     for name, v in sorted(picked.items()):
         assert v.meta["FLATTEN"] is True
-        aot_compile._compile_one((v, 90, d, name, False))
+        aot_compile._compile_one((v, 90, d, name))
         meta = json.load(open(f"{d}/{name}.json"))
         print(name, v.key["cfg"], "shared", meta["shared"])
 """
