@@ -17,6 +17,7 @@ from aot import config_table
 
 def shared_constants() -> Dict[str, Dict[str, Tuple[int, str]]]:
     """C++ namespace (in fused) -> C++ name -> (value, what it is), each read from where it is defined."""
+    from aot import manifest
     from kernels import gather_rows, gemm_decode, rope, routing
     rope_flags = {"kBshd": (rope.FLAG_BSHD, "bshd layout"), "kBackward": (rope.FLAG_BACKWARD, "the backward (-sin)"),
                   "kHasStart": (rope.FLAG_HAS_START, "start_positions given"),
@@ -37,6 +38,8 @@ def shared_constants() -> Dict[str, Dict[str, Tuple[int, str]]]:
         "kGatherCols": (gather_rows.GATHER_COLS[False][0], "gather_rows_kernel's BLOCK_C"),
         "kGatherColsColsum": (gather_rows.GATHER_COLS[True][0], "its BLOCK_C with the column sums"),
         "kDecodeReduceCols": (gemm_decode.DECODE_REDUCE_COLS, "decode_reduce_kernel's BLOCK_N"),
+        "kTmaHint": (manifest.HINT, "the divisibility the aligned variants assume of pointers (bytes) and of sizes "
+                                    "and strides (elements); the TMA kernels exist only as aligned variants"),
         "kDecodeMaxSplits": (gemm_decode.DECODE_MAX_SPLITS, "the most decode GEMM splits decode_reduce_kernel sums"),
     }}
 

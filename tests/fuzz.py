@@ -60,14 +60,14 @@ def _m(r, tiny):
     return r.randint(4097, 20000)
 
 
-def _dim(r, tiny, big_m, elem=2):
-    """An inner size: odd, or a multiple of 16 bytes (the sm_90 TMA kernels), rarely 0; smaller for long M."""
+def _dim(r, tiny, big_m):
+    """An inner size: odd, or a multiple of 16 elements (the sm_90 TMA kernels), rarely 0; smaller for long M."""
     hi = 24 if tiny else (32 if big_m else 160)
     u = r.random()
     if u < 0.02:
         return 0
     if u < 0.5:
-        step = 16 // elem
+        step = 16
         return step * r.randint(1, max(1, hi // step))
     return r.randint(1, hi)
 
@@ -81,7 +81,6 @@ def draw_case(seed: int, device_type: str = "cuda", tiny: bool = False) -> dict:
     c["allow_tf32"] = c["dtype"] == torch.float32 and r.random() < 0.5
     M = _m(r, tiny)
     big = M > 600
-    es = 4 if c["dtype"] == torch.float32 else 2
     if c["op"] == "rope":
         c["format"] = r.choice(["sbhd", "bshd", "thd"])
         c["mode"] = r.choice(["fwd", "bwd", "qk", "qk_bwd", "inplace", "autograd"])
@@ -114,14 +113,13 @@ def draw_case(seed: int, device_type: str = "cuda", tiny: bool = False) -> dict:
     c["autocast"] = None
     if c["mode"] != "bwd_op" and r.random() < 0.2:  # fp32 inputs, the op runs in the region's dtype
         c["autocast"], c["dtype"], c["allow_tf32"] = r.choice([torch.bfloat16, torch.float16]), torch.float32, False
-        es = 2
     c["routing"] = r.random() < 0.3
     if c["op"] == "linear_dual":
-        c["K"], c["N"] = _dim(r, tiny, big, es), _dim(r, tiny, big, es)
+        c["K"], c["N"] = _dim(r, tiny, big), _dim(r, tiny, big)
         c["bias"] = [r.random() < 0.5, r.random() < 0.5]
         c["output_mask"] = [r.random() < 0.7 for _ in range(5)]
     else:
-        c["H"], c["I"] = _dim(r, tiny, big, es), _dim(r, tiny, big, es)
+        c["H"], c["I"] = _dim(r, tiny, big), _dim(r, tiny, big)
         c["dual"] = r.random() < 0.7
         c["routing"] = c["routing"] and c["dual"]
         c["output_mask"] = [r.random() < 0.7 for _ in range(7)]

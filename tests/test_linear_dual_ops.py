@@ -30,7 +30,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DT_ID = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 
 # (M, K, N): M not a multiple of 16 / 128, K and N not multiples of 16; "odd" has K and N that are not multiples of
-# 16 bytes either (the CUDA op then cannot use the TMA kernels: pointer kernels, generic variant); one aligned shape
+# 16 bytes either (the CUDA op then cannot use the TMA kernels, which need multiples of 16 elements: pointer
+# kernels, generic variant); one aligned shape
 SHAPES = {"m1": (1, 40, 24), "m37": (37, 24, 72), "m300": (300, 72, 40), "odd": (45, 37, 27), "m128al": (128, 64, 48)}
 LAYOUTS = ["contig", "transposed", "sliced", "strided_k"]
 BIASES = ["none", "both", "v_only", "t_only"]

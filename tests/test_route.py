@@ -95,7 +95,7 @@ def grads_of(fn, leaves, g):
 
 
 # (M, K, N) / (M, H, I): decode sizes (the gather GEMMs that read the routing instead of routing), mid and the
-# one-launch limit, and past it; K, N, H, I multiples of 16 bytes so that sm_90 takes the TMA kernels
+# one-launch limit, and past it; K, N, H, I multiples of 16 elements so that sm_90 takes the TMA kernels
 OP_SHAPES = [(1, 64, 48), (37, 64, 48), (300, 64, 48), (4096, 32, 16), (5000, 32, 16)]
 
 

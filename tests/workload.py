@@ -26,7 +26,7 @@ Results = List[Tuple[str, Optional[torch.Tensor]]]
 @dataclasses.dataclass(frozen=True)
 class Sizes:
     M: int = 777  # tokens, not a multiple of any tile
-    H: int = 1024  # ffn hidden and intermediate: multiples of 16 bytes (the sm_90 TMA kernels)
+    H: int = 1024  # ffn hidden and intermediate: multiples of 16 elements (the sm_90 TMA kernels)
     I: int = 2816  # noqa: E741
     K_odd: int = 40  # linear_dual / ffn sizes that are not (pointer kernels, generic variants)
     N_odd: int = 37

@@ -4,7 +4,7 @@
 //   expert: none on the TMA path, else perm = arange) ->
 //   h = routed_swiglu(x) into an expert-ordered buffer -> out = routed_linear(h, w2) scattered back (+ the residual,
 //   when given, added in that GEMM's epilogue).
-//   TMA (sm_90, H and I multiples of 16 bytes, a TMA swiglu for the dtype/precision): an unaligned routing (no
+//   TMA (sm_90, H and I multiples of 16 elements, a TMA swiglu for the dtype/precision): an unaligned routing (no
 //   padding rows), so h is exactly [M, I], the only buffer of the size of the intermediate. A routing given (the
 //   route op's, shared by the model's routed ops) is read, not recomputed; its unaligned section. Where x's rows are
 //   gathered before the gate/up GEMM (dual expert above the decode sizes; docs/perf.md), they go into out's storage:

@@ -8,7 +8,7 @@
 //                by grad_out's gather). Only the gradients of output_mask are computed: no grad-input GEMM
 //                without grad_x, no x gather and no grad-weight programs for an expert without dW_e, no column
 //                sums without db_e.
-// Path: the Hopper TMA kernels on sm_90 when K and N are multiples of 16 bytes (x / grad_out gathered into an
+// Path: the Hopper TMA kernels on sm_90 when K and N are multiples of 16 elements (x / grad_out gathered into an
 // expert-ordered buffer first, weights as one rank-3 descriptor; see Experts::stacked for when that copies), else
 // the pointer kernels (an aligned variant with divisibility hints when pointers, K, N and strides allow, else the
 // generic one; the runtime picks). Nothing syncs the host; M = 0 launches nothing (linear_dual_forward: only the

@@ -176,6 +176,13 @@ void check_rows(const Routing& r, const Rows& x, int64_t cols, const char* what)
 int64_t max_row_tiles(const Routing& r, int64_t bm) { return r.aligned ? r.M_pad / bm : cdiv(r.M, bm) + 1; }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// Rows [M, C] that a TMA kernel reads by pointer (a gather inside the GEMM): its hints need a 16-byte aligned base
+// and a row stride that is a multiple of 16 elements.
+bool hinted_rows(const at::Tensor& t) { return aligned16(t.data_ptr()) && t.stride(0) % kTmaHint == 0; }
+// A bias or residual for a TMA kernel: itself when 16-byte aligned, else an aligned copy (a user's odd view).
+at::Tensor hinted(const at::Tensor& t) {
+  return !t.defined() || aligned16(t.data_ptr()) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
 
 // A residual read with out's row stride (the kernels take one): the same sizes and dtype, and the same strides where
 // they are used (a size-1 dimension's stride never is).
@@ -364,9 +371,10 @@ bool Gemm::tma_kernels(bool swiglu) const {
 
 bool Gemm::tma_usable(std::initializer_list<int64_t> dims, bool swiglu) const {
   if (const char* env = std::getenv("FUSED_GEMM_TMA"); env && std::strcmp(env, "0") == 0) return false;
-  const int64_t es = c10::elementSize(dtype);
+  // TMA itself needs strides of 16 bytes; the TMA kernels are compiled only with the divisibility hints (16
+  // elements: aot/manifest.py _both), which the sizes (also the row strides of the buffers made for them) must meet.
   for (int64_t d : dims)
-    if (d <= 0 || (d * es) % 16 != 0) return false;  // TMA: non-innermost strides are multiples of 16 bytes
+    if (d <= 0 || d % kTmaHint != 0) return false;
   return tma_kernels(swiglu);
 }
 
@@ -539,8 +547,10 @@ StreamK stream_k(const Gemm& g, const KernelConfig& c, int64_t max_tiles, const 
 }
 }  // namespace
 
-void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0,
-            const at::Tensor& bias1, const Rows& out, bool w_transposed, bool tma, const at::Tensor& residual) {
+void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0_in,
+            const at::Tensor& bias1_in, const Rows& out, bool w_transposed, bool tma, const at::Tensor& residual_in) {
+  const at::Tensor bias0 = tma ? hinted(bias0_in) : bias0_in, bias1 = tma ? hinted(bias1_in) : bias1_in;
+  const at::Tensor residual = tma ? hinted(residual_in) : residual_in;
   const int64_t n = w_transposed ? w.cols() : w.rows();  // output columns
   const int64_t k = w_transposed ? w.rows() : w.cols();  // reduction length
   check_rows(r, a, k, "A");
@@ -567,8 +577,8 @@ void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at
     // [M_pad, K] gather copy where the table says it is faster (aot/configs/sm90.json; docs/perf.md). It also routes
     // a deferred routing itself (ROUTE_BLOCK, in the key as "route"; 0: perm / seg are written already).
     const KernelConfig* c = find_config("routed_linear_gather_tma_kernel", family(g), g.cc, r.M, n, k);
-    if (c && !config_off(*c)) {
-      const RouteHere here = route_here(r);
+    const RouteHere here = route_here(r);
+    if (c && !config_off(*c) && hinted_rows(a.t) && aligned16(here.mask)) {
       const Experts::Stacked& st = w.stacked();
       // W twice: blocks of BLOCK_N columns, and of BLOCK_N / 2 for a split last round (the box comes from the
       // kernel's metadata).
@@ -742,8 +752,8 @@ void swiglu(const Gemm& g, const Routing& r, const Rows& a, Experts& gate, Exper
     // Token-order x: gather its rows inside the GEMM where the table says that beats the gather copy, and route a
     // deferred routing there (as in linear).
     const KernelConfig* c = find_config("routed_swiglu_gather_tma_kernel", family(g), g.cc, r.M, I, H);
-    if (c && !config_off(*c)) {
-      const RouteHere here = route_here(r);
+    const RouteHere here = route_here(r);
+    if (c && !config_off(*c) && hinted_rows(a.t) && aligned16(here.mask)) {
       const Experts::Stacked& sg = gate.stacked();
       const Experts::Stacked& su = up.stacked();
       const int64_t tiles = max_row_tiles(r, c->block[0]) * cdiv(I, c->block[1]);
