@@ -36,7 +36,10 @@ fi
 echo "[setup] building fused_ops: AOT-compiling the Triton kernels (FUSED_ARCHS=${FUSED_ARCHS:-auto}), then the C++ op library"
 # The AOT step first, in the foreground, so that its progress shows (pip -q hides a build's output); the pip build
 # then finds every image in the cache. FUSED_BUILD_VERBOSE=1 shows every image and every compiler and linker command.
+t0=$SECONDS
 ( cd "$ROOT" && "$VPY" -m aot.compile --out "$ROOT/build/aot" )
+t1=$SECONDS
 ( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$VPY" -m pip install --no-build-isolation --no-deps \
     "$([ -n "${FUSED_BUILD_VERBOSE:-}" ] && echo -v || echo -q)" . )
+echo "[setup] build times: AOT step $((t1 - t0)) s, C++ library and install $((SECONDS - t1)) s"
 "$VPY" -c "import fused_ops; print('[setup] fused_ops built for', fused_ops.built_archs())"

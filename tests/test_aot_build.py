@@ -74,3 +74,38 @@ def test_fold_report_folds_a_config_only_within_the_tolerance():
     partial = _records({(256, a): 1.0, (256, b): 1.5})
     folds, kept = fold_report.fold(partial, "routed_linear_tma_kernel", "half", table, 2.0)
     assert [c for c, _, _ in folds] == [a] and kept == [b]
+
+
+_SM90_SAMPLE = r"""
+import os, sys, tempfile
+from concurrent.futures import ProcessPoolExecutor
+sys.path.insert(0, sys.argv[1])
+from aot import compile as aot_compile, manifest
+picked = {}
+for v in manifest.variants():  # one variant of every kernel the sm_90 build compiles: bf16 where it has a dtype
+    if 90 in v.archs and v.key.get("dtype", "bf16") == "bf16":
+        picked.setdefault(v.name, v)
+print("kernels", " ".join(sorted(picked)))
+with tempfile.TemporaryDirectory() as d, ProcessPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+    for key in pool.map(aot_compile._compile_one, [(v, 90, d, n) for n, v in sorted(picked.items())]):
+        print("compiled", key)
+"""
+
+
+def test_every_sm90_kernel_cross_compiles_in_a_build_without_sm90():
+    """A build without sm_90 (the test command on a machine with no GPU builds sm_80 only) still compiles one variant
+    of every kernel of the sm_90 build, the TMA kernels among them, for sm_90 with no GPU. In a fresh process:
+    interpreter tests may have set TRITON_INTERPRET here."""
+    import subprocess
+
+    import fused_ops
+    if "sm_90" in fused_ops.built_archs():
+        pytest.skip("this build compiled every sm_90 variant")
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _SM90_SAMPLE, ROOT], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    kernels = r.stdout.splitlines()[0].split()[1:]
+    assert "routed_linear_tma_kernel" in kernels and "routed_swiglu_pair_bwd_tma_kernel" in kernels, kernels
+    assert sorted(line.split()[1] for line in r.stdout.splitlines()[1:]) == sorted(kernels), r.stdout

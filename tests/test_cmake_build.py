@@ -1,13 +1,14 @@
 """CMakeLists.txt builds the same op library for libtorch C++ users, and the C++ deployment examples with it.
 
-One build (sm_90 only, in a tmp folder) serves every test here: the library loads from Python; `ctest` runs the C++
+One build (in a tmp folder, for the architectures of the installed package) serves every test here: the library loads from Python; `ctest` runs the C++
 examples (examples/cpp: TorchScript inference, AOTInductor inference of one package at every length from 1 to 8192
 tokens, training) on the CPU, and on CUDA when a GPU is visible
 (skipped otherwise, and checked to be reported as skipped); and the installed package config works for a separate
 consumer project (find_package + target_link_libraries), whose program runs without LD_LIBRARY_PATH.
 
-The AOT step reuses the pip build's kernel cache (build/aot/cache, through FUSED_AOT_CACHE) when there is one, so the
-build compiles C++ only; without it, it AOT-compiles the sm_90 kernels from scratch.
+The AOT step reuses the pip build's kernel cache (build/aot/cache, through FUSED_AOT_CACHE) when there is one, and
+builds the installed package's architectures, so that the build compiles C++ only; without the cache, it AOT-compiles
+them from scratch.
 """
 import os
 import re
@@ -21,6 +22,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_AOT_CACHE = os.path.join(ROOT, "build", "aot", "cache")
 CUDA = torch.cuda.is_available()
+
+
+def package_archs():
+    """The architectures of the installed fused_ops ("80,90"), which the pip build's kernel cache holds."""
+    import fused_ops
+    return ",".join(a[len("sm_"):] for a in fused_ops.built_archs().split(" (")[0].split(", "))
 
 pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
 
@@ -52,7 +59,7 @@ def cmake_build(tmp_path_factory):
     build, prefix = base / "build", base / "install"
     cache = [f"-DFUSED_AOT_CACHE={REPO_AOT_CACHE}"] if os.path.isdir(REPO_AOT_CACHE) else []
     run(["cmake", "-S", ROOT, "-B", str(build), *generator(), f"-DPython3_EXECUTABLE={sys.executable}",
-         "-DFUSED_ARCHS=90", "-DCMAKE_BUILD_TYPE=Release", *cache])
+         f"-DFUSED_ARCHS={package_archs()}", "-DCMAKE_BUILD_TYPE=Release", *cache])
     run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)], timeout=1500)
     run(["cmake", "--install", str(build), "--prefix", str(prefix)])
     return build, prefix
@@ -70,7 +77,8 @@ def test_cmake_builds_installs_and_registers_ops(cmake_build):
             "out = torch.ops.fused.rope_fwd(torch.randn(4, 1, 2, 8), torch.randn(4, 1, 1, 8)); "
             "assert out.shape == (4, 1, 2, 8); print(torch.ops.fused.built_archs())")
     r = run([sys.executable, "-c", code], timeout=300)
-    assert "sm_90" in r.stdout, r.stdout
+    import fused_ops
+    assert r.stdout.strip().splitlines()[-1] == fused_ops.built_archs(), r.stdout
 
 
 def test_ctest_runs_the_cpp_examples(cmake_build):
