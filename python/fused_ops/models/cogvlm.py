@@ -26,7 +26,7 @@ and `norm.weight` [H] with final_norm. The language expert's QKV has no bias, as
 `to_reference`, `load_reference_state_dict`.
 """
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ from ..linear_dual import DualLinear
 from ..routing import route
 from .common import KVCache, causal_attention, check_inputs, rope_table
 from .config import CogVLMConfig
+from .decode_cache import DecodeCache
 
 __all__ = ["FusedCogVLM", "FusedDecoderLayer", "RMSNorm"]
 
@@ -101,6 +102,31 @@ class FusedAttention(nn.Module):
         return residual + self.dense(o)
 
 
+    def decode(self, x: torch.Tensor, mask: Optional[torch.Tensor], routing: Optional[torch.Tensor],
+               cache: DecodeCache, layer: int, residual: torch.Tensor) -> torch.Tensor:
+        """`forward` for T new tokens per sequence at per-sequence positions `cache.lens` (a device tensor): static
+        shapes, no host integer that changes per token, no host sync, so a step can be captured in a CUDA graph.
+        RoPE takes the positions as `start_positions` into the cache's table of every position; the attention is
+        `torch.ops.fused.decode_attention`, which writes the new keys and values at `[lens[b], lens[b] + T)` of
+        the cache and attends keys `0 .. lens[b] + t`. `cache.lens` is advanced by the model after its last layer."""
+        c = self.config
+        b, t, _ = x.shape
+        if c.vision_expert:
+            qkv = torch.ops.fused.linear_dual(x, mask, self.query_key_value.weight, None, self.vision_qkv_bias, None,
+                                              False, routing)
+        else:
+            qkv = self.query_key_value(x)
+        q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
+        q, k = torch.ops.fused.rope_fwd_qk(q.view(b, t, c.heads, c.head_dim), k.view(b, t, c.kv_heads, c.head_dim),
+                                           cache.freqs, "bshd", start_positions=cache.lens)
+        o = torch.ops.fused.decode_attention(q, cache.k[layer], cache.v[layer], k,
+                                             v.view(b, t, c.kv_heads, c.head_dim), cache.lens)
+        o = o.reshape(b, t, c.q_size)
+        if c.vision_expert:
+            return self.dense(o, mask, routing, residual=residual)
+        return residual + self.dense(o)
+
+
 class FusedDecoderLayer(nn.Module):
     """RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU MLP (dual expert, or single) -> residual."""
 
@@ -119,6 +145,15 @@ class FusedDecoderLayer(nn.Module):
         # x + attention(norm(x)) and h + mlp(norm(h)): each residual add happens in the epilogue of the projection that
         # ends its branch (the routed dense and the down projection), one kernel fewer per add
         h = self.self_attn(self.input_layernorm(x), mask, routing, freqs, cache, layer, residual=x)
+        a = self.post_attention_layernorm(h)
+        if self.config.vision_expert:
+            return self.mlp(a, mask, routing, residual=h)
+        return self.mlp(a, residual=h)
+
+    def decode(self, x: torch.Tensor, mask: Optional[torch.Tensor], routing: Optional[torch.Tensor],
+               cache: DecodeCache, layer: int) -> torch.Tensor:
+        """`forward` with the attention's `decode` (positions from `cache.lens`)."""
+        h = self.self_attn.decode(self.input_layernorm(x), mask, routing, cache, layer, residual=x)
         a = self.post_attention_layernorm(h)
         if self.config.vision_expert:
             return self.mlp(a, mask, routing, residual=h)
@@ -148,6 +183,7 @@ class FusedCogVLM(nn.Module):
         self.layers = nn.ModuleList(self._make_layer(config, f) for _ in range(config.layers))
         self.norm = RMSNorm(config.hidden, config.rms_eps, **f) if config.final_norm else None
         self._freqs: Optional[torch.Tensor] = None  # float32 angle table; not a buffer: .to(bf16) must not touch it
+        self._captured_freqs: List[torch.Tensor] = []  # tables that captured CUDA graphs read (kept alive)
 
     @staticmethod
     def _make_layer(config: CogVLMConfig, factory: dict) -> nn.Module:
@@ -164,7 +200,20 @@ class FusedCogVLM(nn.Module):
         need = past + s
         if torch.compiler.is_compiling():  # traced (torch.compile, torch.export): the rows needed, no cached attribute,
             return rope_table(self.config, need, device)[past:need]  # so that a symbolic length stays symbolic
-        if self._freqs is None or self._freqs.shape[0] < need or self._freqs.device != torch.device(device):
+        table = self._freqs
+        covered = table is not None and table.shape[0] >= need and table.device == torch.device(device)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # Inside a CUDA graph capture the cached table must neither grow nor be replaced: a table allocated now
+            # lives in the graph's private memory pool, which its replays overwrite, so every eager call after the
+            # capture would read angles that are no longer there. A missing table is built for this call only (its
+            # kernels are captured with the graph and recomputed at each replay); a cached one that the graph reads
+            # is kept alive for as long as the model, since the graph holds its address.
+            if not covered:
+                return rope_table(self.config, need, device)[past:need]
+            if not any(t is table for t in self._captured_freqs):
+                self._captured_freqs.append(table)
+            return table[past:need]
+        if not covered:
             self._freqs = rope_table(self.config, -(-need // 1024) * 1024, device)  # grown in steps: decode reuses it
         return self._freqs[past:need]
 
@@ -178,6 +227,24 @@ class FusedCogVLM(nn.Module):
             x = layer(x, mask, routing, rope, cache, i)
         if cache is not None:
             cache.length += x.shape[1]
+        return x if self.norm is None else self.norm(x)
+
+    def decode(self, x: torch.Tensor, mask: Optional[torch.Tensor], routing: Optional[torch.Tensor],
+               cache: DecodeCache) -> torch.Tensor:
+        """One decode step: x `[b, T, hidden]`, the new tokens of every sequence at positions `cache.lens[b] + t`;
+        mask bool `[b, T]` (vision expert) or None; routing `route(mask)` or None. Writes their keys and values into
+        `cache`, advances `cache.lens` by T on the device and returns `[b, T, hidden]` (after the final norm).
+
+        Static shapes and no host sync: every argument keeps its shape and address from token to token (the
+        positions are the values of `cache.lens`), so the step can be captured in a CUDA graph once and replayed.
+        Only shapes are checked here: the lengths must stay within `cache.max_len` (the caller checks them on the
+        host, up front). RoPE's start_positions value check would sync: switch it off (`fused_ops.set_sync_checks`)
+        around eager steps on CUDA, as `GenerationEngine` does; graph captures skip it anyway."""
+        check_inputs(self.config, x, mask, None, type(self).__name__ + ".decode")
+        cache.check(self.config, x, type(self).__name__ + ".decode")
+        for i, layer in enumerate(self.layers):
+            x = layer.decode(x, mask, routing, cache, i)
+        cache.lens.add_(x.shape[1])
         return x if self.norm is None else self.norm(x)
 
     # conversion from / to CogVLM's own module names (convert.py) --------------------------------------------------

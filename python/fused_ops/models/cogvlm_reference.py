@@ -21,10 +21,10 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from .common import KVCache, causal_attention, check_inputs, rope_table
+from .common import KVCache, causal_attention, check_inputs, check_prompt_inputs, embed_prompt, rope_table
 from .config import CogVLMConfig
 
-__all__ = ["CogVLMReference", "get_expert_mask", "LANGUAGE_TOKEN_TYPE", "VISION_TOKEN_TYPE"]
+__all__ = ["CogVLMReference", "CogVLMReferenceForCausalLM", "get_expert_mask", "LANGUAGE_TOKEN_TYPE", "VISION_TOKEN_TYPE"]
 
 LANGUAGE_TOKEN_TYPE, VISION_TOKEN_TYPE = 0, 1
 
@@ -225,3 +225,59 @@ class CogVLMReference(nn.Module):
         if cache is not None:
             cache.length += x.shape[1]
         return x if self.norm is None else self.norm(x)
+
+
+class CogVLMReferenceForCausalLM(nn.Module):
+    """CogVLM2's language model in plain PyTorch: `embed_tokens` (nn.Embedding), `model` (`CogVLMReference`, with its
+    final norm when config.final_norm), `lm_head` (nn.Linear, no bias); the reference of
+    `causal_lm.FusedCogVLMForCausalLM` (same keys outside `model.`).
+
+    `forward(input_ids=None, vision_mask=None, *, inputs_embeds=None, embeds_mask=None, cache=None)` returns the
+    logits `[b, s, vocab]`; `generate_greedy` is the plainest greedy decoding there is (one sequence at a time).
+    """
+
+    def __init__(self, config: CogVLMConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        f = {"device": device, "dtype": config.dtype if dtype is None else dtype}
+        self.embed_tokens = nn.Embedding(config.vocab, config.hidden, **f)
+        self.model = CogVLMReference(config, **f)
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False, **f)
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None, vision_mask: Optional[torch.Tensor] = None, *,
+                inputs_embeds: Optional[torch.Tensor] = None, embeds_mask: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        check_prompt_inputs(self.config, input_ids, inputs_embeds, embeds_mask, vision_mask, type(self).__name__)
+        x = embed_prompt(self.embed_tokens, input_ids, inputs_embeds, embeds_mask, vision_mask)
+        return self.lm_head(self.model(x, vision_mask, cache=cache))
+
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: Optional[torch.Tensor], prompt_lens, max_new_tokens: int, *,
+                        vision_mask: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                        embeds_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Greedy decoding of right-padded prompts, each sequence alone (batch 1, its own length, no padding
+        anywhere): prefill with a `KVCache`, then one token per step. Returns the tokens `[b, max_new_tokens]` and
+        the logits they were chosen from `[b, max_new_tokens, vocab]`."""
+        b = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        tokens, logits = [], []
+        for i in range(b):
+            n = int(prompt_lens[i])
+
+            def part(t):
+                return None if t is None else t[i:i + 1, :n]
+            cache = KVCache(self.config, 1, n + max_new_tokens, device=self.lm_head.weight.device,
+                            dtype=self.lm_head.weight.dtype)
+            step = self(part(input_ids), part(vision_mask), inputs_embeds=part(inputs_embeds),
+                        embeds_mask=part(embeds_mask), cache=cache)[:, -1]
+            seq_tokens, seq_logits = [], []
+            for _ in range(max_new_tokens):
+                seq_logits.append(step[0])
+                token = step.argmax(dim=-1, keepdim=True)  # [1, 1]
+                seq_tokens.append(token[0, 0])
+                if len(seq_tokens) == max_new_tokens:
+                    break
+                text = torch.zeros(1, 1, dtype=torch.bool, device=token.device) if self.config.vision_expert else None
+                step = self(token, text, cache=cache)[:, -1]  # generated tokens are text tokens
+            tokens.append(torch.stack(seq_tokens))
+            logits.append(torch.stack(seq_logits))
+        return torch.stack(tokens), torch.stack(logits)

@@ -40,6 +40,17 @@ class KVCache:
         self.v: List[torch.Tensor] = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.layers)]
         self.batch, self.max_len, self.length = batch, max_len, 0
 
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """A cache over sequences `[start, stop)` of this one, sharing its buffers (views: what a forward writes
+        there lands in this cache), at length 0: e.g. a prefill of some of the batch's prompts at a time."""
+        if not 0 <= start < stop <= self.batch:
+            raise ValueError(f"KVCache.rows: [{start}, {stop}) is not a non-empty range of the batch's {self.batch} rows")
+        view = object.__new__(KVCache)
+        view.k = [t[start:stop] for t in self.k]
+        view.v = [t[start:stop] for t in self.v]
+        view.batch, view.max_len, view.length = stop - start, self.max_len, 0
+        return view
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Writes layer `layer`'s new keys and values `[b, hk, s, d]` at `[length, length + s)`; returns the keys and
         values of positions `[0, length + s)` (views of the buffers, `[b, hk, length + s, d]`)."""
@@ -76,6 +87,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
     `enable_gqa`, CogVLM2's expand of the key heads), without materializing repeated keys.
     """
     gqa = q.shape[1] != k.shape[1]
+    if gqa and _traced_without_flash(q):
+        # torch.export / torch.compile of a CUDA model in a dtype flash attention does not take (float32): SDPA's CUDA
+        # backend selection expands the key heads itself, through strides whose guards the symbolic-shape solver
+        # cannot prove for a dynamic length (H200, torch 2.11: "Constraints violated (seq) ... min(128*s, 512*s) ==
+        # 128*s"), while the CPU's does not. So a traced program expands them here, into contiguous tensors of the
+        # query's head count, as SDPA's own fallback does (the same values; eager keeps enable_gqa).
+        group = q.shape[1] // k.shape[1]
+        q, k, v = q.contiguous(), k.contiguous().repeat_interleave(group, 1), v.contiguous().repeat_interleave(group, 1)
+        gqa = False
     s, t = q.shape[2], k.shape[2]
     if past == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -84,6 +104,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
     # several new tokens after a cached prefix: the causal mask aligned bottom-right
     allowed = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(diagonal=past)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+
+
+def _traced_without_flash(q: torch.Tensor) -> bool:
+    """Traced (torch.compile, torch.export) on CUDA in a dtype that SDPA's flash kernel, which reads grouped key heads
+    in place, does not take."""
+    return torch.compiler.is_compiling() and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16)
 
 
 def rope_table(config: CogVLMConfig, positions: int, device) -> torch.Tensor:
@@ -112,3 +138,73 @@ def check_inputs(config: CogVLMConfig, x: torch.Tensor, mask: Optional[torch.Ten
         raise ValueError(f"{owner}: a single-expert model (vision_expert=False) takes no mask")
     if cache is not None:
         cache.check(config, x, owner)
+
+
+def check_prompt_inputs(config: CogVLMConfig, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor],
+                        embeds_mask: Optional[torch.Tensor], vision_mask: Optional[torch.Tensor], owner: str) -> None:
+    """The checks of a causal LM's prompt (`embed_prompt`'s arguments), before anything runs: token ids
+    `[b, s]` (integers; on the CPU also each in `[0, vocab)`: on a GPU reading them back would sync, and an id out of
+    range fails in the embedding as in torch), and/or embeddings `[b, s, hidden]`; `embeds_mask` bool `[b, s]` only
+    with both; the vision mask as the decoder takes it (bool `[b, s]` with the visual expert, None without)."""
+    if input_ids is None and inputs_embeds is None:
+        raise ValueError(f"{owner}: give input_ids [batch, seq], inputs_embeds [batch, seq, {config.hidden}], or both")
+    lead = None
+    if input_ids is not None:
+        if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point()
+                or input_ids.is_complex() or input_ids.dtype == torch.bool):
+            desc = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else \
+                type(input_ids).__name__
+            raise ValueError(f"{owner}: input_ids must be an integer [batch, seq] tensor, got {desc}")
+        if input_ids.device.type == "cpu" and input_ids.numel() and not (
+                0 <= int(input_ids.min()) and int(input_ids.max()) < config.vocab):
+            raise ValueError(f"{owner}: input_ids must be in [0, {config.vocab}) (the vocabulary), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        lead = tuple(input_ids.shape)
+    if inputs_embeds is not None:
+        ok = (isinstance(inputs_embeds, torch.Tensor) and inputs_embeds.dim() == 3
+              and inputs_embeds.shape[2] == config.hidden and inputs_embeds.is_floating_point())
+        if not ok or (lead is not None and tuple(inputs_embeds.shape[:2]) != lead):
+            desc = f"{list(inputs_embeds.shape)} {inputs_embeds.dtype}" if isinstance(inputs_embeds, torch.Tensor) \
+                else type(inputs_embeds).__name__
+            want = f"[{lead[0]}, {lead[1]}, {config.hidden}] (input_ids' batch and seq)" if lead else \
+                f"[batch, seq, {config.hidden}]"
+            raise ValueError(f"{owner}: inputs_embeds must be a floating-point {want} tensor, got {desc}")
+        if input_ids is not None and inputs_embeds.device != input_ids.device:
+            raise ValueError(f"{owner}: inputs_embeds is on {inputs_embeds.device}, input_ids on {input_ids.device}")
+        lead = tuple(inputs_embeds.shape[:2])
+    device = (input_ids if input_ids is not None else inputs_embeds).device
+    if embeds_mask is not None:
+        if input_ids is None or inputs_embeds is None:
+            raise ValueError(f"{owner}: embeds_mask selects between input_ids' and inputs_embeds' rows: give both")
+        if not isinstance(embeds_mask, torch.Tensor) or embeds_mask.dtype != torch.bool or \
+                tuple(embeds_mask.shape) != lead or embeds_mask.device != device:
+            desc = f"{embeds_mask.dtype} {list(embeds_mask.shape)} on {embeds_mask.device}" if isinstance(
+                embeds_mask, torch.Tensor) else type(embeds_mask).__name__
+            raise ValueError(f"{owner}: embeds_mask must be bool {list(lead)} on {device}, got {desc}")
+    elif input_ids is not None and inputs_embeds is not None and not config.vision_expert:
+        raise ValueError(f"{owner}: with both input_ids and inputs_embeds, a single-expert model needs embeds_mask "
+                         "(the positions that take inputs_embeds)")
+    if config.vision_expert:
+        if not isinstance(vision_mask, torch.Tensor) or vision_mask.dtype != torch.bool or \
+                tuple(vision_mask.shape) != lead or vision_mask.device != device:
+            desc = f"{vision_mask.dtype} {list(vision_mask.shape)} on {vision_mask.device}" if isinstance(
+                vision_mask, torch.Tensor) else type(vision_mask).__name__
+            raise ValueError(f"{owner}: vision_mask must be bool {list(lead)} on {device} (the prompt's batch and "
+                             f"seq; True = vision expert), got {desc}")
+    elif vision_mask is not None:
+        raise ValueError(f"{owner}: a single-expert model (vision_expert=False) takes no vision_mask")
+
+
+def embed_prompt(embedding: torch.nn.Embedding, input_ids: Optional[torch.Tensor],
+                 inputs_embeds: Optional[torch.Tensor], embeds_mask: Optional[torch.Tensor],
+                 vision_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """`[b, s, hidden]`: the token embeddings of input_ids, inputs_embeds as given, or with both, inputs_embeds' row
+    where `embeds_mask` (default: `vision_mask`, the image's positions) is True and the token's embedding elsewhere
+    (how CogVLM places the vision tower's features). Arguments as `check_prompt_inputs` checks them."""
+    if input_ids is None:
+        return inputs_embeds.to(embedding.weight.dtype)
+    x = embedding(input_ids)
+    if inputs_embeds is None:
+        return x
+    where = embeds_mask if embeds_mask is not None else vision_mask
+    return torch.where(where[..., None], inputs_embeds.to(x.dtype), x)

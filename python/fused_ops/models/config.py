@@ -10,7 +10,8 @@ __all__ = ["CogVLMConfig", "COGVLM2_19B", "LLAMA3_8B"]
 
 @dataclass(frozen=True)
 class CogVLMConfig:
-    """Sizes of a CogVLM-style decoder stack (no embedding, no LM head: hidden states in, hidden states out).
+    """Sizes of a CogVLM-style decoder stack (no embedding, no LM head: hidden states in, hidden states out), and the
+    vocabulary of the causal LM around it (`causal_lm.py`: token embeddings, the stack, an LM head).
 
     Attributes:
         hidden: H, the residual stream's width.
@@ -32,6 +33,8 @@ class CogVLMConfig:
         recompute: the fused model's MLPs keep no activations for the backward and compute gate and up again there
             (`fused_ops.ffn`'s `recompute`: less memory, two more GEMMs per layer); default False: they keep the
             gate and up pre-activations (2 * intermediate elements per token and layer).
+        vocab: tokens of the causal LM's embedding and LM head (CogVLM2 / Llama-3: 128,256); the decoder stack alone
+            does not use it.
     """
     hidden: int = 4096
     intermediate: int = 14336
@@ -46,9 +49,10 @@ class CogVLMConfig:
     final_norm: bool = True
     dtype: torch.dtype = torch.bfloat16
     recompute: bool = False
+    vocab: int = 128256
 
     def __post_init__(self):
-        for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers"):
+        for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "layers", "vocab"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"CogVLMConfig: {name} must be a positive int, got {v!r}")

@@ -24,7 +24,7 @@ import torch
 
 from .config import CogVLMConfig
 
-__all__ = ["convert_state_dict", "expected_keys"]
+__all__ = ["convert_state_dict", "convert_lm_state_dict", "expected_keys"]
 
 
 class _Rule(NamedTuple):
@@ -155,4 +155,32 @@ def convert_state_dict(state_dict: Mapping, config: CogVLMConfig, to: str) -> Di
                 else:
                     parts = list(t.split([s[0] for s in r.ref_shapes], dim=0))
                 out.update((k, v.clone(memory_format=torch.contiguous_format)) for k, v in zip(r.refs, parts))
+    return out
+
+
+#: the causal LM's parameters outside the decoder stack, the same key in both layouts
+_LM_OWN = ("embed_tokens.weight", "lm_head.weight")
+
+
+def convert_lm_state_dict(state_dict: Mapping, config: CogVLMConfig, to: str) -> Dict[str, torch.Tensor]:
+    """`convert_state_dict` for the causal LM (`FusedCogVLMForCausalLM` <-> `CogVLMReferenceForCausalLM`): the
+    decoder's keys under `model.` converted, `embed_tokens.weight` `[vocab, hidden]` and `lm_head.weight`
+    `[vocab, hidden]` copied. Raises ValueError as convert_state_dict does (also for those two)."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"convert_lm_state_dict: expected a state dict, got {type(state_dict).__name__}")
+    owner = f"convert_lm_state_dict(to={to!r})"
+    shape = (config.vocab, config.hidden)
+    for key in _LM_OWN:
+        v = state_dict.get(key)
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape:
+            got = "missing" if v is None else (f"shape {list(v.shape)}" if isinstance(v, torch.Tensor)
+                                               else type(v).__name__)
+            raise ValueError(f"{owner}: {key} must be a {list(shape)} tensor, got {got}")
+    inner = {k[len("model."):]: v for k, v in state_dict.items() if k.startswith("model.")}
+    extra = sorted(k for k in state_dict if not k.startswith("model.") and k not in _LM_OWN)
+    if extra:
+        raise ValueError(f"{owner}: unexpected keys: {_listing(extra)}")
+    out = {"model." + k: v for k, v in convert_state_dict(inner, config, to).items()}
+    with torch.no_grad():
+        out.update((k, state_dict[k].detach().clone()) for k in _LM_OWN)
     return out
