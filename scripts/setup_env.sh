@@ -33,6 +33,13 @@ if ! "$VPY" -c "import transformers" >/dev/null 2>&1; then
   "$VPY" -m pip install -q --retries 1 --timeout 20 "transformers>=5" \
     || echo "[setup] WARNING: could not install transformers; the fused_ops.hf tests will be skipped"
 fi
+# onnx, onnxscript and onnxruntime are optional (fused_ops.onnx, tested by tests/test_onnx.py): installed when missing,
+# never fatal. A machine without a package index gets a warning, and those tests then show as skipped with the reason.
+if ! "$VPY" -c "import onnx, onnxscript, onnxruntime" >/dev/null 2>&1; then
+  echo "[setup] installing onnx, onnxscript, onnxruntime (optional dependencies of fused_ops.onnx)"
+  "$VPY" -m pip install -q --retries 1 --timeout 20 onnx onnxscript onnxruntime \
+    || echo "[setup] WARNING: could not install onnx/onnxscript/onnxruntime; the fused_ops.onnx tests will be skipped"
+fi
 echo "[setup] building fused_ops: AOT-compiling the Triton kernels (FUSED_ARCHS=${FUSED_ARCHS:-auto}), then the C++ op library"
 # The AOT step first, in the foreground, so that its progress shows (pip -q hides a build's output); the pip build
 # then finds every image in the cache. FUSED_BUILD_VERBOSE=1 shows every image and every compiler and linker command.
