@@ -22,6 +22,10 @@ Parameters (state dict keys, per layer `layers.{i}.`; expert index 0 = text, 1 =
 and `norm.weight` [H] with final_norm. The language expert's QKV has no bias, as in CogVLM: the op is called with
 `bias_t=None`, so it stays exactly absent (and gets no gradient).
 
+Decoding: `forward` with a `KVCache` (one Python-int length for the batch: prefill, eager steps), or `decode` with a
+`DecodeCache` (per-sequence lengths on the device, RoPE by start_positions, `torch.ops.fused.decode_attention`: the
+static-shape step `generation.GenerationEngine` captures in a CUDA graph; docs/design.md, "Generation").
+
 `convert.py` maps these to and from CogVLM's own names (`cogvlm_reference.py`): `FusedCogVLM.from_reference`,
 `to_reference`, `load_reference_state_dict`.
 """

@@ -89,12 +89,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
     gqa = q.shape[1] != k.shape[1]
     if gqa and _traced_without_flash(q):
         # torch.export / torch.compile of a CUDA model in a dtype flash attention does not take (float32): SDPA's CUDA
-        # backend selection expands the key heads itself, through strides whose guards the symbolic-shape solver
-        # cannot prove for a dynamic length (H200, torch 2.11: "Constraints violated (seq) ... min(128*s, 512*s) ==
-        # 128*s"), while the CPU's does not. So a traced program expands them here, into contiguous tensors of the
-        # query's head count, as SDPA's own fallback does (the same values; eager keeps enable_gqa).
-        group = q.shape[1] // k.shape[1]
-        q, k, v = q.contiguous(), k.contiguous().repeat_interleave(group, 1), v.contiguous().repeat_interleave(group, 1)
+        # path expands the key heads itself (repeat_interleave), and the strides of that expansion give guards the
+        # symbolic-shape solver cannot prove for a dynamic length (H200, torch 2.11: "Constraints violated (seq) ...
+        # min(128*s, 512*s) == 128*s"); the CPU's path has no such step. An expansion of our own by repeat_interleave
+        # or expand + reshape meets the same guards; index_select (key head j // group for query head j) writes a
+        # fresh contiguous tensor and exports with every length (checked on the H200, float32 and bf16). Eager keeps
+        # enable_gqa.
+        index = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // k.shape[1])
+        q, k, v = q.contiguous(), k.index_select(1, index), v.index_select(1, index)
         gqa = False
     s, t = q.shape[2], k.shape[2]
     if past == 0:
