@@ -6,7 +6,7 @@
 //     (grad_w1/w3/w2 [2, ...], grad_u* None), so that a stacked parameter gets its gradient with no per-expert
 //     scatter into zeros and sum (what autograd does for views w[0], w[1]: ~1.2 ms per training step of CogVLM2's MLP)
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <optional>

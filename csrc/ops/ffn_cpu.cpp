@@ -1,7 +1,12 @@
 // CPU implementation of ffn from ATen ops: the reference semantics of the op. Every token goes only through its own
 // expert (rows selected by the mask), math in fp32 (fp64 for fp64 inputs) without rounding intermediates, results
 // in x's dtype. allow_tf32 does not apply on the CPU. Not tuned for speed.
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <vector>

@@ -37,7 +37,8 @@
 //   intermediates in token order ([M, .]), rows gathered / scattered through perm inside the kernels.
 //   output_mask: the grad-weight GEMMs run only for the weights asked for (one expert's programs where the other is
 //   frozen), the grad-input GEMMs only for grad_x; the recompute (dh, h, dup, dgate) always.
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <optional>

@@ -1,7 +1,7 @@
 // linear_dual: the modality-routed linear (docs/design.md "Routed GEMM ops"): shared checks and backends.
 //   out[i] = x[i]·weight_vᵀ + bias_v if mask[i] (vision) else x[i]·weight_tᵀ + bias_t (text)
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <optional>

@@ -2,7 +2,8 @@
 // through its own expert (rows selected by the mask), math in fp32 (fp64 for fp64 inputs), results in x's dtype.
 // allow_tf32 does not apply on the CPU. Not tuned for speed. linear_dual_forward's routing comes from routing_cpu, the
 // reference of the CUDA routing (csrc/ops/route.cpp).
-#include <ATen/ATen.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "ops/linear_dual.h"

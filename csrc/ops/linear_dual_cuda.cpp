@@ -13,7 +13,9 @@
 // the pointer kernels (an aligned variant with divisibility hints when pointers, K, N and strides allow, else the
 // generic one; the runtime picks). Nothing syncs the host; M = 0 launches nothing (linear_dual_forward: only the
 // routing it returns).
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -2,7 +2,7 @@
 //  * the input checks (check_linear_dual_inputs*), which the CPU, CUDA and Meta kernels all run first;
 //  * the Meta (shape) kernels: those checks plus the output shapes. torch.compile, torch.export and fake
 //    tensors trace through them; sizes stay symbolic (*_symint), so one trace serves every shape.
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "ops/linear_dual.h"

@@ -1,6 +1,6 @@
 // RoPE (TransformerEngine semantics; see docs/design.md): shared argument checks and the per-backend entry points.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>

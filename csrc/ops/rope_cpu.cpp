@@ -1,6 +1,8 @@
 // CPU implementation of RoPE from ATen ops: the same semantics as the kernel (math in fp32, or fp64 for fp64
 // inputs), so code and tests run without a GPU. Not tuned for speed.
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/stack.h>
 #include <torch/library.h>
 
 #include "ops/rope.h"

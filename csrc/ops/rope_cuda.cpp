@@ -1,5 +1,6 @@
 // CUDA implementation of RoPE: validates, then launches the AOT-compiled kernels/rope.py:rope_kernel.
-#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>

@@ -2,7 +2,7 @@
 //  * the input checks (check_rope_inputs*), which the CPU, CUDA and Meta kernels all run first;
 //  * the Meta (shape) kernels: those checks plus the output shapes. torch.compile, torch.export and fake
 //    tensors trace through them; sizes stay symbolic (check_rope_inputs_symint), so one trace serves every shape.
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <atomic>
 #include <torch/library.h>
 

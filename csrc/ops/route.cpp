@@ -2,7 +2,10 @@
 // `routing` argument), which then route nothing (docs/design.md "Sharing the routing"). CogVLM-style models apply one
 // token-type mask to every layer's QKV, dense and MLP: routing it per op repeats the same work dozens of times per
 // forward pass. Layout: routed::shared_routing_size (csrc/ops/routed_gemm.h).
-#include <ATen/ATen.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -15,7 +15,7 @@
 //
 // RoPE has no autocast kernel: it is elementwise (autocast leaves those ops alone), so it runs in its input's dtype.
 // The backward ops have none either: autograd calls them on the forward's cast tensors.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/autocast_mode.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>

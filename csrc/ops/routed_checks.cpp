@@ -1,6 +1,6 @@
 // Input checks shared by the routed GEMM ops (linear_dual, ffn) on every backend. Sizes are read as c10::SymInt
 // (sym_sizes): the Meta kernels run these checks on symbolic sizes (sym_equal in csrc/ops/routed_gemm.h).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "ops/routed_gemm.h"
 

@@ -6,6 +6,8 @@
 #include "ops/routed_gemm.h"
 
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <algorithm>
 #include <array>
 #include <cstdint>

@@ -8,7 +8,7 @@
 // Expert 0 = text (mask false), expert 1 = vision (mask true). A single-expert op (ffn without mask) has only
 // expert 0.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>

@@ -1,5 +1,6 @@
 #include "ops/torch_launch.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // The torch side of a launch: the tensor's device, torch's current stream on it, scratch from torch's allocator.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <string>
 #include <tuple>
