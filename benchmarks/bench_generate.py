@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     from fused_ops.models import COGVLM2_19B, FusedCogVLMForCausalLM
     if not hasattr(torch.ops.fused, "decode_attention"):
         common.die_env("bench_generate", "this build of fused_ops has no torch.ops.fused.decode_attention")
-    device = torch.device("cpu" if args.small else "cuda")
+    device = torch.device("cpu") if args.small else torch.device("cuda", torch.cuda.current_device())
     run = Run(args, device)
     if run.cuda:
         run.bw_gbs = common.copy_bandwidth(1 << 30)

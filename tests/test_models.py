@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fused_ops.models import (COGVLM2_19B, LLAMA3_8B, CogVLMConfig, CogVLMReference, FusedCogVLM, GroupedMMCogVLM,
-                              KVCache, convert_state_dict, get_expert_mask)
+from fused_ops.models import (COGVLM2_19B, LLAMA3_8B, CogVLMConfig, CogVLMReference, CogVLMReferenceForCausalLM,
+                              FusedCogVLM, FusedCogVLMForCausalLM, GroupedMMCogVLM, KVCache, convert_lm_state_dict,
+                              convert_state_dict, get_expert_mask)
 from reference_routed import rel_err
 
 F64 = torch.float64
@@ -262,6 +263,29 @@ def test_config_checks():
     assert LLAMA3_8B.replace(vision_expert=True, qkv_bias=True) == COGVLM2_19B
     with pytest.raises(ValueError, match="visual expert"):
         GroupedMMCogVLM(SINGLE)
+    assert COGVLM2_19B.vocab == 128256
+    with pytest.raises(ValueError, match="vocab"):
+        COGVLM2_19B.replace(vocab=0)
+
+
+@pytest.mark.parametrize("kind", ["dual", "single"])
+def test_causal_lm_converts_both_ways(kind):
+    """FusedCogVLMForCausalLM <-> CogVLMReferenceForCausalLM: the decoder's keys under `model.` converted, the
+    embedding and LM head copied; equal logits; a wrong LM head raises before anything is built."""
+    config = CONFIGS[kind].replace(vocab=40)
+    lm = randomize_(FusedCogVLMForCausalLM(config))
+    ref = lm.to_reference()
+    assert isinstance(ref, CogVLMReferenceForCausalLM)
+    back = FusedCogVLMForCausalLM.from_reference(ref)
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in lm.state_dict().items())
+    ids = torch.randint(0, 40, (2, 7))
+    mask = (torch.rand(2, 7) < 0.4) if config.vision_expert else None
+    assert rel_err(lm(ids, mask), ref(ids, mask)) < 1e-12
+    bad = dict(ref.state_dict(), **{"lm_head.weight": torch.zeros(41, config.hidden, dtype=F64)})
+    with pytest.raises(ValueError, match=r"lm_head.weight must be a \[40, "):
+        convert_lm_state_dict(bad, config, to="fused")
+    with pytest.raises(ValueError, match="unexpected keys: vision_tower.x"):
+        convert_lm_state_dict(dict(ref.state_dict(), **{"vision_tower.x": torch.zeros(1)}), config, to="fused")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ max_new_tokens steps (stopping when every sequence has finished would need a hos
 padded.
 """
 import contextlib
+import numbers
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -213,8 +214,8 @@ class GenerationEngine:
                     raise ValueError(f"{owner}: prompt_lens must be host integers (a list or a CPU tensor), got a "
                                      f"tensor on {prompt_lens.device}")
                 prompt_lens = prompt_lens.tolist()
-            lens = list(prompt_lens)
-            if len(lens) != b or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= s for n in lens):
+            lens = [int(n) if isinstance(n, numbers.Integral) and not isinstance(n, bool) else n for n in prompt_lens]
+            if len(lens) != b or any(not isinstance(n, int) or not 1 <= n <= s for n in lens):
                 raise ValueError(f"{owner}: prompt_lens must be {b} ints in [1, {s}] (the prompts' batch and padded "
                                  f"length), got {prompt_lens!r}")
         if b > self.max_batch:
