@@ -243,6 +243,24 @@ def test_rope_table_never_grows_inside_a_capture(monkeypatch):
     assert model._freqs is table and model._captured_freqs == [table]
 
 
+def test_traced_attention_expands_the_key_heads_itself(monkeypatch):
+    """The CUDA float32 export fix's code path, taken on the CPU: traced, the GQA attention expands the key heads by
+    index_select (no enable_gqa); the program keeps the declared range and gives eager's outputs."""
+    from torch.export import Dim
+    from fused_ops.models import common
+    monkeypatch.setattr(common, "_traced_without_flash", lambda q: torch.compiler.is_compiling())
+    model = randomize_(FusedCogVLM(TINY)).eval()
+    x, mask = torch.randn(2, 12, TINY.hidden), torch.rand(2, 12) < 0.3
+    s = Dim("seq", min=1, max=12288)
+    with torch.no_grad():
+        ep = torch.export.export(model, (x, mask), dynamic_shapes=({1: s}, {1: s}))
+        ops = [str(n.target) for n in ep.graph.nodes]
+        assert any("index_select" in o for o in ops), ops
+        for n in (1, 40):
+            xi, mi = torch.randn(2, n, TINY.hidden), torch.rand(2, n) < 0.3
+            assert rel_err(ep.module()(xi, mi), model(xi, mi)) < 1e-6
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # GPU: graphs, sync, export
 
