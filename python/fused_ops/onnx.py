@@ -1,37 +1,37 @@
 """ONNX export of the fused ops: `torch.onnx.export(..., dynamo=True)` translations for every `torch.ops.fused.*` op
 that a forward pass calls (`route`, `linear_dual`, `ffn`, `rope_fwd`, `rope_bwd`, `rope_fwd_qk`, `rope_bwd_qk`).
 
-Two ways, one set of formulas (the `_*_body` functions below, written once over an op builder):
+Two forms, one set of formulas (the `_*_body` functions below, written once over an op builder):
 
     program = fused_ops.onnx.export(model, (x, mask), dynamic_shapes=...)            # fused nodes + function bodies
     program = torch.onnx.export(model, (x, mask), dynamo=True, dynamic_shapes=...,
                                 custom_translation_table=fused_ops.onnx.translation_table())   # standard ops only
 
-`export` (the default, `custom_domain=True`) writes each fused op as ONE node of the ONNX domain "fused" (version 1),
-its inputs and attributes those of the torch op (docs: README, "ONNX"), and attaches to the model an ONNX function
-for it whose body computes the same result from standard operators (MatMul, Sigmoid, Mul, Where on the mask, the
-rotary arithmetic): a runtime with a kernel for `fused::ffn` (a custom-op library) runs the kernel, any other runtime
-(ONNX Runtime without one) inlines the body. The body is specialised to the node's static arguments (which optional
-inputs it has, the RoPE layout and flags): each specialisation is a function overload (ONNX IR version 10), named
-like "stacked_residual".
+`export` (`custom_domain=True`, its default) writes each op call as ONE node of the ONNX domain "fused" (version 1):
+the torch op's tensors as inputs, in its schema's order, all of them (absent ones empty, `routing` included), its
+flags as attributes (`allow_tf32`; `tensor_format`, `interleaved`, `cp_size`, `cp_rank`). The model carries an ONNX
+function for each node, whose body computes the same result from standard operators (MatMul, Sigmoid, Mul, Where on
+the mask, the rotary arithmetic): a runtime with a kernel for `fused::ffn` (a custom-op library) runs the kernel, any
+other (ONNX Runtime without one) inlines the body. A body is specialised to its node's static arguments (which
+optional inputs it has, the RoPE layout and flags, float64 or not) as a function overload (ONNX IR version 10), named
+after them, e.g. `fused::ffn` overload "stacked_residual".
 
-Why not just the table: torch 2.14's exporter converts every model to its target opset, and that pass first inlines
-every function of the model, so a function added during translation never survives `torch.onnx.export`. `export`
-therefore translates to bodiless `fused` nodes (through `translation_table(custom_domain=True)`) and attaches the
-functions afterwards (`attach_functions`). The plain table (`custom_domain=False`) writes the same formulas as
-standard operators in place of each op, for tools that read no functions; `export(..., custom_domain=False)` is the
-same.
+Why not the table alone: torch 2.14's exporter converts every model to its target opset, and that pass first inlines
+every function of the model, so a function added while translating never survives `torch.onnx.export`. `export`
+translates to bodiless `fused` nodes (`translation_table(custom_domain=True)`) and attaches the functions afterwards
+(`attach_functions`). The plain table (`custom_domain=False`) writes the formulas as standard operators in place of
+each op, for tools that read no functions; `export(..., custom_domain=False)` is the same.
 
-Semantics are the CPU path's (csrc/ops/*_cpu.cpp): math in float32 (float64 for float64 inputs), one rounding to the
-input's dtype at the end, every token through its own expert only (the other expert's result is never selected, so
-its NaN/inf cannot leak). `allow_tf32` is carried as an attribute for a native kernel; the bodies compute IEEE fp32.
-`routing` is carried as an input for a native kernel; the bodies route from the mask (they ignore it). `recompute`
-concerns autograd only and is dropped.
+Semantics are the CPU path's (csrc/ops/*_cpu.cpp): math in float32 (float64 for float64 inputs) between a Cast of the
+inputs and one rounding to the input's dtype, every token through its own expert only (the other expert's result is
+never selected, so its NaN/inf cannot leak in). `allow_tf32` is carried for a kernel; the bodies compute IEEE fp32.
+`routing` is carried for a kernel; the bodies route from the mask and do not read it. `recompute` concerns autograd
+only and is dropped. What the graph cannot express raises ValueError at translation time, naming the argument.
 
 Needs the optional packages onnx and onnxscript (and onnxruntime to run the result); `import fused_ops` never
 imports this module.
 """
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 import torch
@@ -184,7 +184,7 @@ def _rope_positions(op, t, cu_seqlens, start_positions, fmt: str, cp_size: int, 
     local = pos
     if start_positions is not None:
         pos = op.Add(pos, op.Gather(op.Cast(start_positions, to=_INT64), batch))
-    if cp_size > 1:  # load-balanced context parallelism: the local halves are chunks cp_rank and 2 cp_size - 1 - cp_rank
+    if cp_size > 1:  # load-balanced context parallelism: the local halves are chunks cp_rank, 2 cp_size - 1 - cp_rank
         half = op.Div(length, s(2))
         first = op.Mul(half, s(cp_rank))
         second = op.Sub(op.Sub(op.Mul(length, s(cp_size)), op.Mul(half, s(cp_rank + 1))), half)
@@ -419,13 +419,12 @@ def _attr(node: ir.Node, name: str, default):
 
 
 def _specialise(node: ir.Node):
-    """(overload name, body builder taking (op, *inputs)) of a fused node: the body for its static arguments."""
+    """(overload name, body builder taking (op, *inputs)) of a fused node, its inputs padded to the schema's: the
+    body for its static arguments (which inputs it has, its attributes, float64 or not)."""
     name = node.op_type
     required, optional, _, _ = _NODES[name]
-    present = [v is not None for v in list(node.inputs) + [None] * (len(required) + len(optional) - len(node.inputs))]
-    has = dict(zip(required + optional, present))
-    first = node.inputs[0]
-    ct = _DOUBLE if first.dtype == _DOUBLE else _FLOAT
+    has = {n: v is not None for n, v in zip(required + optional, node.inputs)}
+    ct = _DOUBLE if node.inputs[0].dtype == _DOUBLE else _FLOAT
     parts: List[str] = []
     if name == "route":
         return "default", _route_body
@@ -433,8 +432,7 @@ def _specialise(node: ir.Node):
         parts = ["separate" if has["weight_t"] else "stacked"] + [p for p in ("bias_v", "bias_t", "residual") if has[p]]
         body = lambda op, *ins: _linear_dual_body(op, *ins, ct=ct)  # noqa: E731
     elif name == "ffn":
-        parts = ["single" if not has["mask"] else "dual" if has["u1"] else "stacked"] + (
-            ["residual"] if has["residual"] else [])
+        parts = [_ffn_kind(*(node.inputs[i] for i in range(4, 8)))] + (["residual"] if has["residual"] else [])
         body = lambda op, *ins: _ffn_body(op, *ins, ct=ct)  # noqa: E731
     else:
         fmt = _attr(node, "tensor_format", "sbhd")
@@ -454,14 +452,11 @@ def _specialise(node: ir.Node):
 
 def _build_function(node: ir.Node, overload: str, body, opset: int) -> ir.Function:
     required, optional, outputs, attrs = _NODES[node.op_type]
-    # the formal inputs up to the node's last one (the exporter drops trailing absent inputs, and every node of an
-    # overload has the same inputs present): a fresh value for each input the node has, None for an absent one in
-    # between (a placeholder the body does not read: it branches on None), so that positions line up
-    names = (required + optional)[:len(node.inputs)]
+    names = required + optional
+    # a fresh formal input for each input the node has, None for an absent one (build_function declares a
+    # placeholder the body does not read: the body branches on None), so that every position lines up
     formal = [ir.Value(name=n) if v is not None else None for n, v in zip(names, node.inputs)]
-    absent = [None] * (len(required) + len(optional) - len(names))  # the trailing inputs the node lacks
-    fn = onnxscript.build_function(lambda op, *ins: body(op, *ins, *absent), formal, domain=DOMAIN, name=node.op_type,
-                                   opset_imports={"": opset})
+    fn = onnxscript.build_function(body, formal, domain=DOMAIN, name=node.op_type, opset_imports={"": opset})
     for value, n in zip(fn.graph.inputs, names):  # the placeholders' generated names -> the schema's
         value.name = n
     for value, n in zip(fn.graph.outputs, outputs):
@@ -483,6 +478,10 @@ def attach_functions(model: ir.Model) -> ir.Model:
     for node in model.graph.all_nodes():  # subgraphs too (a fused op inside a loop body)
         if node.domain != DOMAIN or node.op_type not in _NODES:
             continue
+        # every node of an op gets the schema's full input list (absent ones empty; the exporter drops trailing
+        # ones): one arity per op for a kernel, and a node never has more inputs than its function declares
+        required, optional, _, _ = _NODES[node.op_type]
+        node.resize_inputs(len(required) + len(optional))
         overload, body = _specialise(node)
         node.overload = overload
         key = (DOMAIN, node.op_type, overload)
