@@ -20,6 +20,8 @@
 #                    PROFILE_ARGS) and tune (python -m aot.tune, TUNE_ARGS: tune_sm<cc>.jsonl and sm<arch>.json)
 #   matrix.log, matrix/  benchmarks/bench_matrix.py: matrix.json / .md / .png
 #   bench_train.log, train_mlp/  benchmarks/bench_train_mlp.py (step bench-train): the MLP training step
+#   bench_attention.log  benchmarks/bench_decode_attention.py (step bench-attn): the decode-attention op alone
+#   bench_generate.log, generate/  benchmarks/bench_generate.py (step bench-gen): generation against the floor
 #
 # BENCHES selects the benchmark steps (default all three): e.g. BENCHES="linear_dual ffn" gives the routed
 # benchmarks the time the RoPE benchmark would take. Each routed benchmark runs under `timeout 150`
@@ -51,6 +53,8 @@ TESTS_GPU_DESELECT="${TESTS_GPU_DESELECT:-}"  # test ids the tests-gpu step leav
 TESTS_GPU_PATHS="${TESTS_GPU_PATHS:-tests}"   # what the tests-gpu step runs (files or node ids; default every file)
 MODEL_ARGS="${MODEL_ARGS:-}"               # extra flags for examples/model_workload.py (e.g. --quick)
 MATRIX_ARGS="${MATRIX_ARGS:-}"             # extra flags for benchmarks/bench_matrix.py (e.g. --ops ffn_fwd --full)
+GEN_ARGS="${GEN_ARGS:-}"                   # extra flags for benchmarks/bench_generate.py (step bench-gen, e.g. --layers 4)
+ATTN_ARGS="${ATTN_ARGS:-}"                 # extra flags for benchmarks/bench_decode_attention.py (step bench-attn)
 TRAIN_ARGS="${TRAIN_ARGS:-}"               # extra flags for benchmarks/bench_train_mlp.py (e.g. --ms 8192)
 PROFILE_ARGS="${PROFILE_ARGS:-}"           # extra flags for benchmarks/kernel_times.py (e.g. --only ffn_bwd)
 PDL_ARGS="${PDL_ARGS:-}"                   # extra flags for benchmarks/bench_pdl.py (step pdl, e.g. --rounds 7)
@@ -67,7 +71,7 @@ export FUSED_BUILD_VERBOSE=1  # build.log gets the AOT progress and the compiler
 export PIP_NO_INDEX=1   # no network on the GPU machine: never let pip wait on an index
 export TESTS_GPU_PATHS
 export REPO OUT PY BUILD_CMD LIGER_SITE BENCH_ARGS ROUTED_BENCH_ARGS TUNE_ARGS TUNE_RESUME JOB_LOG TESTS_GPU_DESELECT \
-    MODEL_ARGS MATRIX_ARGS PROFILE_ARGS PDL_ARGS
+    MODEL_ARGS MATRIX_ARGS PROFILE_ARGS PDL_ARGS GEN_ARGS ATTN_ARGS GEN_S
 
 SUMMARY=()
 say() { echo "$*" | tee -a "$JOB_LOG"; }
@@ -279,6 +283,18 @@ step_bench_train() {
     "$PY" benchmarks/bench_train_mlp.py --out "$OUT/train_mlp" $TRAIN_ARGS
 }
 
+step_bench_generate() {
+    # Generation (benchmarks/bench_generate.py): ms per token of the full-depth CogVLM2-19B LM against the bandwidth
+    # floor, today's eager decode and HF's compiled static-cache Llama-3-8B; bench_generate.json in $OUT/generate/.
+    "$PY" benchmarks/bench_generate.py --out "$OUT/generate" --budget-s "$(( ${GEN_S:-240} - 15 ))" $GEN_ARGS
+}
+
+step_bench_attention() {
+    # The decode-attention op alone (benchmarks/bench_decode_attention.py): fraction of copy bandwidth on the KV read
+    # against F.scaled_dot_product_attention on the same cache.
+    "$PY" benchmarks/bench_decode_attention.py $ATTN_ARGS
+}
+
 step_pdl() {
     # Programmatic dependent launch on / off in alternating rounds (benchmarks/bench_pdl.py): what it saves or costs per
     # routed case.
@@ -310,7 +326,7 @@ step_tune() {
 }
 
 export -f step_pdl step_matrix step_sanitizer step_tune step_profile step_diag step_repro step_main step_env step_liger step_build step_tests_gpu step_tests_all step_bench step_bench_linear_dual \
-    step_bench_ffn step_cpp step_bench_train
+    step_bench_ffn step_cpp step_bench_train step_bench_generate step_bench_attention
 
 has_bench() { [[ " $BENCHES " == *" $1 "* ]]; }
 # time kept for the routed benchmarks that follow a step (their timeout + 5 s of start-up each)
@@ -344,6 +360,8 @@ has_step bench-rope && run_step bench   120 $(( 15 + ROUTED_AFTER_ROPE )) "$OUT/
 has_step bench-linear && run_step bench-linear "$ROUTED_BENCH_S" $(( 15 + ROUTED_AFTER_LINEAR )) "$OUT/bench_routed.log" 1 step_bench_linear_dual
 has_step bench-ffn && run_step bench-ffn "$ROUTED_BENCH_S" 15 "$OUT/bench_routed.log" 1 step_bench_ffn
 has_step bench-train && run_step bench-train "${TRAIN_S:-240}" 0 "$OUT/bench_train.log" 1 step_bench_train
+has_step bench-attn && run_step bench-attn "${ATTN_S:-90}" 0 "$OUT/bench_attention.log" 1 step_bench_attention
+has_step bench-gen && run_step bench-gen "${GEN_S:-240}" 0 "$OUT/bench_generate.log" 1 step_bench_generate
 has_step pdl && run_step pdl       "${PDL_S:-150}"  0    "$OUT/bench_routed.log" 1     step_pdl
 has_step profile && run_step profile   90    0    "$OUT/bench_routed.log" 1     step_profile
 has_step tune && run_step tune   "$TUNE_S"    5    "$OUT/bench_routed.log" 1     step_tune
@@ -371,6 +389,10 @@ has_step matrix && run_step matrix "${MATRIX_S:-400}" 0   "$OUT/matrix.log"     
     grep -E "^(\||all checks|FAIL|CHECK)" "$OUT/model.log" 2>/dev/null | tail -n 40 || echo "(no model step)"
     echo "--- MLP training step (train_mlp/bench_train_mlp.md):"
     cat "$OUT/train_mlp/bench_train_mlp.md" 2>/dev/null || echo "(no bench-train step)"
+    echo "--- decode attention (bench_attention.log):"
+    tail -n 30 "$OUT/bench_attention.log" 2>/dev/null || echo "(no bench-attn step)"
+    echo "--- generation (bench_generate.log):"
+    tail -n 40 "$OUT/bench_generate.log" 2>/dev/null || echo "(no bench-gen step)"
     echo "--- matrix summary:"
     sed -n '/^## Summary/,/^## Host/p' "$OUT/matrix/matrix.md" 2>/dev/null || echo "(no matrix)"
     echo "--- files in $OUT:"; ls -laR "$OUT"
