@@ -63,6 +63,9 @@ ROUTING_ALIGN = 128  # kernels/routing.py ALIGN: expert segments start at multip
 # ROUTING_ALIGN (the row tile), or None)
 KERNELS = {
     "rope_kernel": (("all", ), "BLOCK_T x BLOCK_H x BLOCK_HALF", False, None),
+    # decode attention (kernels/decode_attention.py): m = the query rows of a KV head (G * T), the class's max_n = the
+    # head dim that its configs are compiled for (block[2])
+    "decode_attention_kernel": (("half", ), "BLOCK_M x BLOCK_N x HEAD_D", False, None),
     "routed_linear_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", False, 0),
     "routed_swiglu_kernel": (("half", "tf32", "ieee"), "BLOCK_M x BLOCK_N x BLOCK_K", False, 0),
     "routed_grad_weight_kernel": (("half", "tf32", "ieee"), "BLOCK_N x BLOCK_K x BLOCK_R", False, 2),
@@ -86,6 +89,8 @@ OPTIONAL = {"routed_decode_linear_kernel", "routed_linear_gather_tma_kernel", "r
             "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
 # kernels whose program holds all m rows in one BLOCK_M (the decode GEMM): their buckets end at block[0]
 ROWS_IN_ONE_BLOCK = {"routed_decode_linear_kernel"}
+# kernels without a GROUP_M / GROUP_N ("group" not in their configs)
+NO_GROUP = {"rope_kernel", "decode_attention_kernel"}
 # the persistent TMA GEMMs, whose tile loop may be flattened into the K loop ("flatten": true; tl.range(flatten=True))
 PERSISTENT = {"routed_linear_tma_kernel", "routed_swiglu_tma_kernel", "routed_linear_gather_tma_kernel",
               "routed_swiglu_gather_tma_kernel", "routed_swiglu_pair_tma_kernel", "routed_swiglu_pair_bwd_tma_kernel"}
@@ -284,7 +289,9 @@ def _check_config(e: Dict, name: str, row_idx, fail, at: str) -> None:
         fail(f"{at}: 'warps' must be 1, 2, 4, 8 or 16, got {e.get('warps')!r}")
     if not (isinstance(e.get("stages"), int) and 1 <= e["stages"] <= 8):
         fail(f"{at}: 'stages' must be an integer in [1, 8], got {e.get('stages')!r}")
-    if name != "rope_kernel" and not (isinstance(e.get("group"), int) and e["group"] >= 1):
+    if name == "decode_attention_kernel" and (blk[0] < 16 or blk[1] < 16 or e.get("max_n", blk[2]) != blk[2]):
+        fail(f"{at}: BLOCK_M and BLOCK_N must be at least 16 (tl.dot), and HEAD_D (block[2]) the class's max_n")
+    if name not in NO_GROUP and not (isinstance(e.get("group"), int) and e["group"] >= 1):
         fail(f"{at}: 'group' (GROUP_M / GROUP_N) must be a positive integer")
     if "flatten" in e and (name not in PERSISTENT or not isinstance(e["flatten"], bool)):
         fail(f"{at}: 'flatten' is a bool, and only for the persistent kernels ({', '.join(sorted(PERSISTENT))})")

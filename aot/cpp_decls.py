@@ -7,7 +7,7 @@ writes next to the kernel table, so that no argument list and no constant is wri
   argument does not compile (the field types have no default constructor), and pack() lays the values out in the
   order the compiled kernel takes them. The Python launchers call the same function by keyword.
 * The constants the C++ launchers share with the kernels and their Python launchers (shared_constants; namespaces
-  fused::routed and fused::rope_flags): the routing's sizes, rope's flag bits,
+  fused::routed, fused::rope_flags and fused::attention): the routing's sizes, rope's flag bits,
   the gather's and the decode reduction's blocks, read here from the Python modules that define them.
 """
 from typing import Dict, List, Tuple
@@ -18,11 +18,18 @@ from aot import config_table
 def shared_constants() -> Dict[str, Dict[str, Tuple[int, str]]]:
     """C++ namespace (in fused) -> C++ name -> (value, what it is), each read from where it is defined."""
     from aot import manifest
-    from kernels import gather_rows, gemm_decode, rope, routing
+    from kernels import decode_attention, gather_rows, gemm_decode, rope, routing
     rope_flags = {"kBshd": (rope.FLAG_BSHD, "bshd layout"), "kBackward": (rope.FLAG_BACKWARD, "the backward (-sin)"),
                   "kHasStart": (rope.FLAG_HAS_START, "start_positions given"),
                   "kCopyPass": (rope.FLAG_COPY_PASS, "copy the channels past the rotary ones through (not in place)")}
-    return {"rope_flags": rope_flags, "routed": {
+    da = decode_attention
+    attention = {"kMaxT": (da.MAX_T.value, "new tokens per sequence and call"),
+                 "kCombineMaxSplits": (da.COMBINE_MAX_SPLITS, "the most splits the combine kernel merges"),
+                 "kCombineCols": (da.COMBINE_COLS, "the combine kernel's channels per program"),
+                 "kSplitCtasPerSm": (da.SPLIT_CTAS_PER_SM, "the split rule: programs per SM it aims at"),
+                 "kSplitMinBlocks": (da.SPLIT_MIN_BLOCKS, "the split rule: the fewest key blocks of the capacity "
+                                                          "per split")}
+    return {"rope_flags": rope_flags, "attention": attention, "routed": {
         "kAlign": (config_table.ROUTING_ALIGN, "routing ALIGN: expert segments start at multiples of it; every "
                                               "BLOCK_M divides it"),
         "kRowTail": (int(routing.ROW_TAIL), "perm entries past M of an unaligned routing (kernels/routing.py "

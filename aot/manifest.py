@@ -151,6 +151,38 @@ def _rope_variants() -> List[Variant]:
     return out
 
 
+def _decode_attention_variants() -> List[Variant]:
+    """kernels/decode_attention.py, launched by csrc/ops/decode_attention_cuda.cpp: the attention kernel for every config
+    of the tables (block: BLOCK_M x BLOCK_N x HEAD_D; the shape class n is the head dim, m the query rows G * T of a
+    KV head), bf16 and fp16, and the combine of its splits (not configurable). The aligned variant (16-byte aligned
+    tensors, strides multiples of 16 elements: the K / V loop is then pipelined with 16-byte async copies) first,
+    the generic one last; cache_lens carries no hint (a view such as lens[1:] is 4-byte aligned)."""
+    from kernels import decode_attention as da
+    kernel = "kernels.decode_attention:decode_attention_kernel"
+    strides = [f"s{t}_{d}" for t, dims in (("q", "bth"), ("kn", "bth"), ("vn", "bth"), ("kc", "bhs"), ("vc", "bhs"))
+               for d in dims]
+    types = dict(dict.fromkeys(strides, "i64"), lens_ptr="*i32", ws_ptr="*fp32", ml_ptr="*fp32", scale="fp32")
+    out, archs_used = [], set()
+    for dt in ("bf16", "fp16"):
+        args = runtime_args(kernel, dt, types=types)
+        aligned = {n: 16 for n, ty in args if (ty.startswith("*") and n != "lens_ptr") or n in strides}
+        for cfg, archs in configs("decode_attention_kernel", "half"):
+            bm, bn, d = cfg["block"]
+            archs_used.update(archs)
+            key = {"dtype": dt, "cfg": config_table.cfg_str(cfg)}
+            for spec in (aligned, {}):
+                out.append(Variant(kernel, key, args, {"HEAD_D": d, "BLOCK_M": bm, "BLOCK_N": bn}, spec, cfg["warps"],
+                                   cfg["stages"], archs))
+    combine = "kernels.decode_attention:decode_attention_combine_kernel"
+    for dt in ("bf16", "fp16") if archs_used else ():
+        args = runtime_args(combine, dt, types={"lens_ptr": "*i32", "ws_ptr": "*fp32", "ml_ptr": "*fp32"})
+        # Its tensors are the op's own (workspace, output) but cache_lens; D is 64, 128 or 256.
+        spec = {"ws_ptr": 16, "ml_ptr": 16, "out_ptr": 16, "D": 16}
+        key = {"dtype": dt, "splits": da.COMBINE_MAX_SPLITS, "cols": da.COMBINE_COLS}
+        out.append(Variant(combine, key, args, {"MAX_SPLITS": da.COMBINE_MAX_SPLITS, "BLOCK_D": da.COMBINE_COLS}, spec,
+                           4, 1, tuple(sorted(archs_used))))
+    return out
+
 # ------------------------------------------------------------------------------------------------------------------
 # Routed GEMMs (kernels/routing.py, kernels/gemm_*.py, kernels/gather_rows.py, kernels/grad_weight.py; what they do
 # and their grids: kernels/GEMM.md, which also says which file holds which kernel). Launched by
@@ -471,4 +503,4 @@ def _gemm_variants() -> List[Variant]:
 
 
 def variants() -> List[Variant]:
-    return _rope_variants() + _routing_variants() + _gemm_variants()
+    return _rope_variants() + _decode_attention_variants() + _routing_variants() + _gemm_variants()

@@ -2,6 +2,7 @@
 // Implementations register per dispatch key in csrc/ops/*_{cpu,cuda,meta,autograd}.cpp.
 #include <torch/library.h>
 
+#include "ops/decode_attention.h"
 #include "ops/rope.h"
 #include "ops/routed_gemm.h"
 #include "runtime/kernel_configs.h"
@@ -25,6 +26,20 @@ TORCH_LIBRARY(fused, m) {
   // rope_bwd of both gradients of rope_fwd_qk in one launch.
   m.def("rope_bwd_qk(Tensor grad_q, Tensor grad_k, Tensor freqs, str tensor_format=\"sbhd\", bool interleaved=False, "
         "Tensor? cu_seqlens=None, Tensor? start_positions=None, int cp_size=1, int cp_rank=0) -> (Tensor, Tensor)");
+  // Decode attention against a KV cache, the new tokens' keys and values written into it in the same launch.
+  // q [B, T, Hq, D] (T = 1..16 new tokens per sequence); k_new, v_new [B, T, Hkv, D] (after RoPE), Hq a multiple of
+  // Hkv (grouped-query attention: query head h reads KV head h / (Hq / Hkv)); k_cache, v_cache [B, Hkv, S, D] (any
+  // strides with the last dimension contiguous, also for q / k_new / v_new: views of a fused QKV output need no copy);
+  // cache_lens int32 [B] on q's device: the positions already in the cache of each sequence (ragged). Writes k_new /
+  // v_new at positions [cache_lens[b], cache_lens[b] + T) of the caches and returns out [B, T, Hq, D] (contiguous, q's
+  // dtype): query t of sequence b attends positions 0 .. cache_lens[b] + t (causal among the new tokens), with
+  // softmax scale `scale` (default 1/sqrt(D)). cache_lens is not advanced (the caller adds T). CUDA: bf16 / fp16, D
+  // 64, 128 or 256; no host sync and nothing that depends on cache_lens' values on the host (CUDA-graph capturable,
+  // one graph for every length); a sequence with cache_lens[b] < 0 or cache_lens[b] + T > S gets NaN outputs and no
+  // cache write (checking would sync the host: the caller validates lengths up front). CPU: also float32 / float64,
+  // any D; such a length raises ValueError naming cache_lens.
+  m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
+        "Tensor cache_lens, float? scale=None) -> Tensor");
   // The routing of a bool mask (any shape; M = its number of elements), int32 [shared_routing_size(M)]
   // (csrc/ops/routed_gemm.h): computed once, it serves as the `routing` argument of every routed op (linear_dual, ffn
   // and their backward) on the same mask, which then route nothing. Its contents are trusted on CUDA and checked
@@ -107,6 +122,10 @@ TORCH_LIBRARY(fused, m) {
         [](int64_t n, int64_t k, int64_t bn, int64_t bk, int64_t sms) {
           const auto [n_split, k_split] = fused::routed::decode_split(n, k, bn, bk, sms);
           return std::vector<int64_t>{n_split, k_split};
+        });
+  m.def("_decode_attention_split(int programs, int S, int block_n, int sms) -> int",
+        [](int64_t programs, int64_t S, int64_t block_n, int64_t sms) {
+          return fused::decode_attention_split(programs, S, block_n, sms);
         });
   m.def("_requestable_variants() -> str[]");
   m.def("_missing_variants() -> str[]");
