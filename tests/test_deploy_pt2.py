@@ -185,3 +185,61 @@ def test_aoti_package_runs_in_a_fresh_process_without_triton(tmp_path, device):
     assert r.returncode == 0 and f"OK {len(LENGTHS)}" in r.stdout, r.stderr[-3000:]
     r = run_fresh(load)
     assert r.returncode != 0 and "Could not find schema for fused::" in r.stderr, r.stderr[-3000:]
+
+
+# The decode step (examples/decode_step.py): fused::decode_attention writing a KV cache held as buffers. Its lengths
+# are data (cache_lens), so one exported program and one AOTInductor package serve every length; three steps in a
+# row, each reading what the step before it wrote into the cache.
+DECODE_STEPS = 3
+
+
+def decode_step_and_inputs(device):
+    from decode_step import DecodeStep, make_inputs
+    step = DecodeStep(device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    qkv, lens = make_inputs(step, tokens=1)
+    return step, [(qkv * (0.5 + i), lens + i) for i in range(DECODE_STEPS)]
+
+
+def run_decode_steps(module, steps, caches):
+    """Outputs of `steps` run one after the other on `module` (callable), its k_cache / v_cache set to `caches` first
+    (when it exposes them), and its caches after them."""
+    if caches is not None:
+        module.k_cache.copy_(caches[0])
+        module.v_cache.copy_(caches[1])
+    return [module(x, n) for x, n in steps]
+
+
+def test_decode_step_export_and_aoti_in_a_fresh_process(tmp_path, device):
+    """torch.export of the decode step: fused.decode_attention in the graph, the cache writes kept (three steps in a
+    row give eager's outputs and caches); AOTInductor of the same program, built once, run without Triton in a fresh
+    process: eager's outputs over the three steps (the package's caches start as they were at export)."""
+    step, steps = decode_step_and_inputs(device)
+    caches = (step.k_cache.clone(), step.v_cache.clone())
+    exported = torch.export.export(step, steps[0])
+    assert "fused.decode_attention" in str(exported.graph), exported.graph
+    want = run_decode_steps(step, steps, caches)
+    want_caches = (step.k_cache.clone(), step.v_cache.clone())
+    module = exported.module()
+    got = run_decode_steps(module, steps, caches)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(module.k_cache, want_caches[0]) and torch.equal(module.v_cache, want_caches[1])
+    package = str(tmp_path / "decode_step.pt2")
+    torch.save((steps, want), tmp_path / "decode_io.pt")
+    r = run_fresh(f"""
+        import torch, test_deploy_pt2 as t
+        step, steps = t.decode_step_and_inputs({device!r})
+        torch._inductor.aoti_compile_and_package(torch.export.export(step, steps[0]), package_path={package!r})
+        print("OK")
+    """, triton=True, timeout=600, env=PACKAGE_BUILD_ENV)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    r = run_fresh(f"""
+        import sys, torch, fused_ops
+        steps, want = torch.load({str(tmp_path / "decode_io.pt")!r}, weights_only=False)
+        model = torch._inductor.aoti_load_package({package!r})
+        for (x, n), w in zip(steps, want):
+            torch.testing.assert_close(model(x, n), w, rtol=1e-5, atol=1e-5)
+        assert sys.modules["triton"] is None
+        print("OK", len(steps))
+    """)
+    assert r.returncode == 0 and f"OK {DECODE_STEPS}" in r.stdout, r.stderr[-3000:]

@@ -101,6 +101,10 @@ def test_scripted_functional_wrappers():
         (fused_ops.linear_dual, (x, mask, wv, wt)),
         (fused_ops.ffn, (x, w1, w3, w2)),
         (fused_ops.ffn, (x, w1, w3, w2, mask, w1 * 0.5, w3 * 0.5, w2 * 0.5)),
+        # (called twice on the same caches: it writes the same rows again, and reads the new tokens from k_new)
+        (fused_ops.decode_attention, (torch.randn(2, 1, 4, 16), torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16),
+                                      torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16),
+                                      torch.tensor([0, 3], dtype=torch.int32))),
     ]
     for fn, args in cases:
         scripted, eager = torch.jit.script(fn)(*args), fn(*args)
@@ -121,3 +125,43 @@ def test_loading_without_the_ops_registered_fails_clearly(tmp_path):
         torch.jit.load({str(tmp_path / "block.pt")!r})
     """)
     assert r.returncode != 0 and "Unknown builtin op: fused::" in r.stderr, r.stderr[-3000:]
+
+
+def test_decode_step_script_and_trace_round_trip(tmp_path, device):
+    """examples/decode_step.py's DecodeStep (fused::decode_attention on a KV cache held as buffers, the caches written
+    in place) scripted and traced: eager's output and caches, here and after torch.jit.save / load in a fresh process
+    without Triton, at two sets of lengths (they are data: one module serves every length)."""
+    from decode_step import DecodeStep, make_inputs
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # the CUDA kernels are bf16 / fp16
+    step = DecodeStep(device=device, dtype=dtype)
+    qkv, lens = make_inputs(step, tokens=2)
+    caches = (step.k_cache.clone(), step.v_cache.clone())
+    cases = [(qkv, lens), (qkv * 0.5, (lens + 7) % 30)]
+    want = []
+    for x, n in cases:
+        step.k_cache.copy_(caches[0]), step.v_cache.copy_(caches[1])
+        want.append((step(x, n), step.k_cache.clone(), step.v_cache.clone()))
+    for kind in ("script", "trace"):
+        compiled = torch.jit.script(step) if kind == "script" else torch.jit.trace(step, cases[0])
+        assert "fused::decode_attention" in str(compiled.inlined_graph), kind
+        for (x, n), (out, kc, vc) in zip(cases, want):
+            compiled.k_cache.copy_(caches[0]), compiled.v_cache.copy_(caches[1])
+            assert torch.equal(compiled(x, n), out), kind
+            assert torch.equal(compiled.k_cache, kc) and torch.equal(compiled.v_cache, vc), kind
+        compiled.k_cache.copy_(caches[0]), compiled.v_cache.copy_(caches[1])
+        compiled.save(str(tmp_path / f"decode_{kind}.pt"))
+    torch.save((cases, want), tmp_path / "decode_io.pt")
+    r = run_fresh(f"""
+        import sys, torch, fused_ops
+        cases, want = torch.load({str(tmp_path / "decode_io.pt")!r}, weights_only=False)
+        for kind in ("script", "trace"):
+            m = torch.jit.load({str(tmp_path)!r} + f"/decode_{{kind}}.pt", map_location={device!r})
+            k0, v0 = m.k_cache.clone(), m.v_cache.clone()
+            for (x, n), (out, kc, vc) in zip(cases, want):
+                m.k_cache.copy_(k0), m.v_cache.copy_(v0)
+                assert torch.equal(m(x, n), out) and torch.equal(m.k_cache, kc) and torch.equal(m.v_cache, vc), kind
+            print("loaded and ran", kind)
+        assert sys.modules["triton"] is None
+        print("OK")
+    """)
+    assert r.returncode == 0 and r.stdout.count("loaded and ran") == 2 and "OK" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -9,6 +9,10 @@
     block_cpu.pt2        with --aoti cpu: the block exported (torch.export, dynamic batch and sequence: one package for
                          every length) and compiled by AOTInductor for the CPU
     block_cuda.pt2       with --aoti cuda: the same for CUDA (needs a GPU here, at export time)
+    decode_step.pt       examples/decode_step.py's DecodeStep (fused::decode_attention on a KV cache held as
+                         buffers), scripted, float32, CPU
+    decode_reference.pt  its starting caches, the inputs of two decode steps in a row (`qkv<i>`, `lens<i>`) and the
+                         float64 reference outputs and caches after each (`out<i>`, `k_cache<i>`, `v_cache<i>`)
 
     python examples/cpp/export_model.py --out DIR [--aoti cpu|cuda]
 
@@ -64,6 +68,21 @@ def export_reference(out_dir):
           f"{int(mask.sum())} of {mask.numel()} tokens vision)")
 
 
+def export_decode(out_dir):
+    from decode_step import DecodeStep, make_inputs, reference
+    step = DecodeStep(batch=3, heads=8, kv_heads=2, head_dim=64, max_len=24)
+    qkv, lens = make_inputs(step, tokens=2)
+    tensors = {"k_cache": step.k_cache.clone(), "v_cache": step.v_cache.clone()}
+    kc, vc = step.k_cache.double(), step.v_cache.double()
+    for i in range(2):  # the second step attends what the first wrote
+        x, n = qkv * (1.0 - 0.5 * i), lens + 2 * i
+        out, kc, vc = reference(kc, vc, x, n, step.heads)
+        tensors.update({f"qkv{i}": x, f"lens{i}": n, f"out{i}": out, f"k_cache{i}": kc, f"v_cache{i}": vc})
+    torch.jit.script(step).save(os.path.join(out_dir, "decode_step.pt"))
+    torch.jit.script(Tensors(tensors)).save(os.path.join(out_dir, "decode_reference.pt"))
+    print(f"export_model: wrote decode_step.pt and decode_reference.pt to {out_dir}")
+
+
 def export_aoti(out_dir, device):
     if device == "cuda" and not torch.cuda.is_available():
         print("export_model: SKIP: no CUDA device visible, no CUDA AOTInductor package written")
@@ -86,6 +105,7 @@ def main():
         export_aoti(a.out, a.aoti)
     else:
         export_reference(a.out)
+        export_decode(a.out)
 
 
 if __name__ == "__main__":

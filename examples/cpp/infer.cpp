@@ -1,7 +1,9 @@
 // Inference from C++: loads the model that export_model.py saved from Python, runs it on a device and checks the
 // result against the output saved from Python (a float64 reference).
 //
-//   fused_infer DEVICE DIR            the TorchScript model DIR/block.pt, float32 and bfloat16
+//   fused_infer DEVICE DIR            the TorchScript model DIR/block.pt, float32 and bfloat16; then the decode step
+//                                     DIR/decode_step.pt (fused::decode_attention writing its KV cache buffers; CPU
+//                                     float32, CUDA bfloat16) and the op called directly through the dispatcher
 //   fused_infer DEVICE DIR --aoti     the AOTInductor package DIR/block_<DEVICE>.pt2, float32, at every length
 //                                     export_model.py saved (1 to 8192 tokens: one package, dynamic batch and sequence)
 //
@@ -50,6 +52,44 @@ int run_torchscript(const torch::Device& device, const std::string& dir,
   return check.finish("fused_infer (TorchScript, " + device.str() + ")");
 }
 
+// Two decode steps in a row (the second attends what the first wrote into the cache), against Python's float64
+// reference: the scripted DecodeStep, then fused::decode_attention called directly through the dispatcher.
+int run_decode(const torch::Device& device, const std::string& dir) {
+  example::Checker check;
+  const auto ref = example::load_tensors(dir + "/decode_reference.pt");
+  torch::jit::Module step = torch::jit::load(dir + "/decode_step.pt");
+  step.eval();
+  check.require("the scripted decode step calls fused::decode_attention",
+                step.get_method("forward").graph()->toString().find("fused::decode_attention") != std::string::npos);
+  // The CUDA kernels are bfloat16 / float16: the step runs in bfloat16 there.
+  const auto dtype = device.is_cuda() ? torch::kBFloat16 : torch::kFloat32;
+  const double tol = device.is_cuda() ? kTolBF16 : kTolF32;
+  const std::string dt = device.is_cuda() ? "bfloat16" : "float32";
+  c10::InferenceMode no_autograd;
+  step.to(device, dtype);
+  at::Tensor kc = step.attr("k_cache").toTensor(), vc = step.attr("v_cache").toTensor();
+  kc.copy_(example::get(ref, "k_cache"));
+  vc.copy_(example::get(ref, "v_cache"));
+  at::Tensor kc_direct = kc.clone(), vc_direct = vc.clone();
+  for (int i = 0; i < 2; ++i) {
+    const std::string n = std::to_string(i);
+    const at::Tensor qkv = example::get(ref, "qkv" + n).to(device, dtype);
+    const at::Tensor lens = example::get(ref, "lens" + n).to(device);
+    at::Tensor out = step.forward({qkv, lens}).toTensor();
+    check.close("decode step " + n + ": " + dt + " output vs Python's float64 reference", out,
+                example::get(ref, "out" + n), tol);
+    check.close("decode step " + n + ": k_cache after it", kc, example::get(ref, "k_cache" + n), tol);
+    check.close("decode step " + n + ": v_cache after it", vc, example::get(ref, "v_cache" + n), tol);
+    // The op itself, on its own copy of the caches: q, k_new, v_new are views of the QKV output (8 / 2 / 2 heads).
+    at::Tensor direct = example::call_op("fused::decode_attention",
+                                         {qkv.narrow(2, 0, 8), kc_direct, vc_direct, qkv.narrow(2, 8, 2),
+                                          qkv.narrow(2, 10, 2), lens})[0].toTensor();
+    check.require("decode step " + n + ": the direct call gives the scripted step's bits",
+                  direct.flatten(2).equal(out) && kc_direct.equal(kc) && vc_direct.equal(vc));
+  }
+  return check.finish("fused_infer (decode step, TorchScript, " + device.str() + ")");
+}
+
 int run_aoti(const torch::Device& device, const std::string& dir, const std::map<std::string, at::Tensor>& ref) {
   example::Checker check;
   const std::string path = dir + "/block_" + (device.is_cuda() ? "cuda" : "cpu") + ".pt2";
@@ -87,7 +127,10 @@ int main(int argc, char** argv) {
   const std::string dir = argv[2];
   try {
     const auto ref = example::load_tensors(dir + "/block_reference.pt");
-    return aoti ? run_aoti(device, dir, ref) : run_torchscript(device, dir, ref);
+    if (aoti) return run_aoti(device, dir, ref);
+    const int block = run_torchscript(device, dir, ref);
+    const int decode = run_decode(device, dir);
+    return block != example::kPass ? block : decode;
   } catch (const std::exception& e) {
     std::cerr << "fused_infer: error: " << example::message(e) << "\n";
     return example::kError;
