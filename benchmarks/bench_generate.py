@@ -52,7 +52,8 @@ HF_SPEEDUP_TARGET = 1.3  # batch 1: engine tokens/s over the HF peer's
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=32, help="decoder layers of every model (CogVLM2 / Llama-3: 32)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers of every model (default 32, CogVLM2's / Llama-3's; --small: 2)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps (tokens) per case")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--peers", default="eager,hf", help="comma-separated, of eager, hf, hf-fused ('' for none)")
@@ -71,6 +72,8 @@ def parse_args(argv=None):
     if bad:
         p.error(f"unknown case or peer: {', '.join(bad)}")
     a.hf_batch_list = [int(x) for x in a.hf_batches.split(",") if x]
+    if a.layers is None:
+        a.layers = 2 if a.small else 32
     if a.layers < 1 or a.steps < 2:
         p.error("--layers must be >= 1 and --steps >= 2")
     a.case_table = cases
@@ -241,8 +244,10 @@ def hf_model(run, fused: bool):
     else:  # meta-llama/Meta-Llama-3-8B's config.json
         cfg = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                    num_key_value_heads=8, max_position_embeddings=131072)
+    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
     config = transformers.LlamaConfig(**cfg, num_hidden_layers=layers, rms_norm_eps=1e-5, hidden_act="silu",
-                                      tie_word_embeddings=False, rope_theta=500000.0, bos_token_id=1,
+                                      tie_word_embeddings=False, rope_parameters=rope, bos_token_id=1,
                                       eos_token_id=None, pad_token_id=0)
     dtype = torch.bfloat16 if run.cuda else torch.float32
     previous = torch.get_default_dtype()
@@ -333,7 +338,7 @@ def report(run) -> int:
     for r in run.rows:
         if r["impl"].startswith("HF") and r["case"] in engine and "fused" not in r["impl"]:
             speedup = engine[r["case"]]["tokens_per_s"] / r["tokens_per_s"]
-            line = f"{run.name}: {r['case']}: engine vs HF compiled: {speedup:.2f}x tokens/s"
+            line = f"{run.name}: {r['case']}: engine vs HF{' compiled' if run.cuda else ''}: {speedup:.2f}x tokens/s"
             if r["batch"] == 1 and run.cuda:
                 line += f" (target >= {HF_SPEEDUP_TARGET}x: {'met' if speedup >= HF_SPEEDUP_TARGET else 'MISSED'})"
                 if speedup < HF_SPEEDUP_TARGET:
