@@ -39,16 +39,16 @@ class DecodeStep(nn.Module):
         return out.flatten(2)
 
 
-def make_inputs(step: DecodeStep, tokens: int = 1, *, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+def make_inputs(step: DecodeStep, tokens: int = 1, *, room: int = 0, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fills the caches with random values and returns (qkv, cache_lens): random new tokens and ragged lengths that
-    leave room for them, on the module's device and dtype."""
+    leave room for them and `room` more positions (later steps), on the module's device and dtype."""
     b, hkv, s, d = step.k_cache.shape
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         step.k_cache.copy_(torch.randn(step.k_cache.shape, generator=g))
         step.v_cache.copy_(torch.randn(step.v_cache.shape, generator=g))
     qkv = torch.randn(b, tokens, step.heads + 2 * hkv, d, generator=g)
-    lens = torch.randint(0, s - tokens + 1, (b,), generator=g, dtype=torch.int32)
+    lens = torch.randint(0, s - tokens - room + 1, (b,), generator=g, dtype=torch.int32)
     return qkv.to(step.k_cache), lens.to(step.k_cache.device)
 
 

@@ -196,7 +196,7 @@ DECODE_STEPS = 3
 def decode_step_and_inputs(device):
     from decode_step import DecodeStep, make_inputs
     step = DecodeStep(device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
-    qkv, lens = make_inputs(step, tokens=1)
+    qkv, lens = make_inputs(step, tokens=1, room=DECODE_STEPS - 1)
     return step, [(qkv * (0.5 + i), lens + i) for i in range(DECODE_STEPS)]
 
 

@@ -71,7 +71,7 @@ def export_reference(out_dir):
 def export_decode(out_dir):
     from decode_step import DecodeStep, make_inputs, reference
     step = DecodeStep(batch=3, heads=8, kv_heads=2, head_dim=64, max_len=24)
-    qkv, lens = make_inputs(step, tokens=2)
+    qkv, lens = make_inputs(step, tokens=2, room=2)
     tensors = {"k_cache": step.k_cache.clone(), "v_cache": step.v_cache.clone()}
     kc, vc = step.k_cache.double(), step.v_cache.double()
     for i in range(2):  # the second step attends what the first wrote
