@@ -267,7 +267,9 @@ def test_variant_meta_matches_its_config():
         assert cfg.endswith(f"_w{v.num_warps}_s{v.num_stages}" + ("_f" if flat else "")
                             + ct.SPLIT_SUFFIX.get(split, "") + ct.STREAM_K_SUFFIX.get(sk, ""))
         names = ("BLOCK_N", "BLOCK_K", "BLOCK_R") if "grad_weight" in v.name else (
-            ("BLOCK_T", "BLOCK_H", "BLOCK_HALF") if v.name == "rope_kernel" else ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+            ("BLOCK_T", "BLOCK_H", "BLOCK_HALF") if v.name == "rope_kernel" else (
+                ("BLOCK_M", "BLOCK_N", "HEAD_D") if v.name == "decode_attention_kernel" else
+                ("BLOCK_M", "BLOCK_N", "BLOCK_K")))
         assert cfg.startswith("x".join(str(v.meta[n]) for n in names))
 
 
