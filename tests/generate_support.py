@@ -1,51 +1,11 @@
-"""What the generation tests share: a pure-PyTorch stand-in for `torch.ops.fused.decode_attention` (registered only
-while the installed build lacks the op), tiny configs, random weights and ragged prompts with image spans.
+"""What the generation tests share: tiny configs, random weights and ragged prompts with image spans.
 
-The stand-in keeps the op's contract exactly (csrc/torch_bindings.cpp once it lands):
-
-    fused::decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new,
-                            Tensor cache_lens, float? scale=None) -> Tensor
-
-q `[B, T, Hq, D]`, k_new / v_new `[B, T, Hkv, D]` (bshd, after RoPE; strided views allowed), k_cache / v_cache
-`[B, Hkv, S, D]`, cache_lens int32 `[B]` = positions already cached per sequence. It writes k_new / v_new at
-`[cache_lens[b], cache_lens[b] + T)` and returns `[B, T, Hq, D]`, query t of sequence b attending keys
-`0 .. cache_lens[b] + t`; cache_lens is not advanced. It is capturable (no host sync), so the GPU tests can run the
-graph path with it too.
+(The tests were written against a pure-PyTorch stand-in of `torch.ops.fused.decode_attention` with its contract
+until the op landed (cbde2ed); they now run the op itself, whose CPU path computes in float32 / float64.)
 """
 import torch
-import torch.nn.functional as F
 
 from fused_ops.models import CogVLMConfig, get_expert_mask
-
-SCHEMA = ("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
-          "Tensor cache_lens, float? scale=None) -> Tensor")
-_LIBRARY = []  # keeps the fragment (and with it the stand-in's registration) alive
-
-
-def decode_attention_standin(q, k_cache, v_cache, k_new, v_new, cache_lens, scale=None):
-    B, T, Hq, D = q.shape
-    Hkv, S = k_new.shape[2], k_cache.shape[2]
-    pos = cache_lens.long()[:, None] + torch.arange(T, device=q.device)  # [B, T]: the new tokens' positions
-    index = pos[:, None, :, None].expand(B, Hkv, T, D)
-    k_cache.scatter_(2, index, k_new.transpose(1, 2).to(k_cache.dtype))
-    v_cache.scatter_(2, index, v_new.transpose(1, 2).to(v_cache.dtype))
-    allowed = torch.arange(S, device=q.device)[None, None, :] <= pos[:, :, None]  # [B, T, S]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=allowed[:, None],
-                                         scale=scale, enable_gqa=Hq != Hkv)
-    return out.transpose(1, 2).contiguous()
-
-
-def ensure_decode_attention() -> str:
-    """'op' when the build has fused::decode_attention, else registers the stand-in (once) and returns 'stand-in'."""
-    if _LIBRARY or not hasattr(torch.ops.fused, "decode_attention"):
-        if not _LIBRARY:
-            lib = torch.library.Library("fused", "FRAGMENT")
-            lib.define(SCHEMA)
-            lib.impl("decode_attention", decode_attention_standin, "CompositeExplicitAutograd")
-            _LIBRARY.append(lib)
-        return "stand-in"
-    return "op"
-
 
 #: a tiny CogVLM: GQA 4 / 2 heads of 16, two layers, a 256-token vocabulary
 TINY = CogVLMConfig(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=16, layers=2, rope_theta=10000.0,

@@ -3,18 +3,16 @@ sampling): greedy tokens against the plain-PyTorch reference, the decode step ag
 bad inputs, and on a GPU the CUDA-graph step (bitwise equal to the eager step, no host sync), the RoPE table under
 capture and torch.export on CUDA.
 
-Until the build has `torch.ops.fused.decode_attention`, the tests run against the stand-in of generate_support.py
-(the op's contract in plain PyTorch). CPU tier: tiny configs in float32.
+The decode steps run `torch.ops.fused.decode_attention` (its CPU path here). CPU tier: tiny configs in float32.
 """
 import pytest
 import torch
 
 from fused_ops.models import CogVLMConfig, DecodeCache, FusedCogVLM, FusedCogVLMForCausalLM, GenerationEngine, \
     SamplingParams, sample
-from generate_support import TINY, ensure_decode_attention, ragged_prompts, randomize_
+from generate_support import TINY, ragged_prompts, randomize_
 from reference_routed import rel_err
 
-BACKEND = ensure_decode_attention()
 SINGLE = TINY.replace(vision_expert=False, qkv_bias=False)
 NEW = 64
 
