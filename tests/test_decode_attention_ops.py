@@ -148,6 +148,9 @@ def test_meta_shapes_and_errors():
         OPS.decode_attention(q[:, :, :5], kc, vc, kn, vn, lens)
 
 
+OPCHECKED = ["decode_attention"]  # tests/test_rope_ops.py checks that every op of the library has an opcheck case
+
+
 def test_opcheck_schema_and_fake():
     """torch.library.opcheck: the schema's mutation annotations (k_cache, v_cache written, nothing else), the Meta
     kernel against the CPU kernel, and the op under torch.compile's fake tensors."""

@@ -94,6 +94,19 @@ def thd_inputs(b, s):
     return rand(b * s, HEADS, D), cu
 
 
+def attention_inputs(b, s):
+    """decode_attention: one new token per sequence (GQA 2:1) against caches of capacity s, ragged lengths < s."""
+    return (rand(b, 1, 4, D), rand(b, 2, s, D), rand(b, 2, s, D), rand(b, 1, 2, D), rand(b, 1, 2, D),
+            torch.randint(0, s, (b,), dtype=torch.int32))
+
+
+def decode_attention(q, k_cache, v_cache, k_new, v_new, lens):
+    """The op on copies of the caches, returned too: its cache writes are compared as outputs."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    return OPS.decode_attention(q, k_cache, v_cache, k_new, v_new, lens), k_cache, v_cache
+
+
+CACHE = {0: BATCH, 2: SEQ}  # [b, kv heads, capacity, d]
 NSEQ = Dim("nseq", min=1, max=64)
 CASES = {
     "route": (("route",), lambda m: OPS.route(m), lambda b, s: (make_mask("random", (b, s)),), (ROWS,)),
@@ -128,6 +141,8 @@ CASES = {
                     lambda q, k: OPS.rope_bwd_qk(*OPS.rope_fwd_qk(q, k, FREQS, "bshd", True), FREQS, "bshd", True),
                     lambda b, s: (rand(b, s, HEADS, D), rand(b, s, 1, D)), (ROWS, ROWS)),
     # thd: the token count and the number of sequences both vary (cu_seqlens [nseq + 1])
+    "decode_attention": (("decode_attention",), decode_attention, attention_inputs,
+                         ({0: BATCH}, CACHE, CACHE, {0: BATCH}, {0: BATCH}, {0: BATCH})),
     "rope_fwd_thd": (("rope_fwd",), lambda t, cu: OPS.rope_fwd(t, FREQS, "thd", cu_seqlens=cu), thd_inputs,
                      ({0: Dim("tokens", min=1, max=64 * S_MAX)}, {0: NSEQ + 1})),
 }

@@ -82,7 +82,7 @@ def test_cuda_path_without_gpu_raises_cleanly():
 
 # Every op of the library that takes tensors, and how the no-JIT test below runs each one.
 EVERY_OP = {"rope_fwd", "rope_bwd", "rope_fwd_", "rope_fwd_qk", "rope_bwd_qk", "linear_dual", "linear_dual_forward",
-            "linear_dual_backward", "ffn", "ffn_forward", "ffn_backward", "route"}
+            "linear_dual_backward", "ffn", "ffn_forward", "ffn_backward", "route", "decode_attention"}
 
 
 def test_no_jit_test_covers_every_op():
@@ -105,6 +105,7 @@ def test_cuda_ops_run_without_triton_or_jit(tmp_path):
         import sys, torch, fused_ops
         from reference import rope_reference
         from reference_routed import ffn_reference, linear_dual_reference, reference_grads, rel_err
+        from reference_attention import cache_after, decode_attention_reference
         ops = torch.ops.fused
         ran = set()
         def check(name, got, want, tol):
@@ -175,6 +176,16 @@ def test_cuda_ops_run_without_triton_or_jit(tmp_path):
                 differentiate("ffn dual routed", ("route",), lambda *a: ops.ffn(*a, routing=routing), ffn_reference,
                               [x, w(320, 256), w(320, 256), w(256, 320), mask, w(320, 256), w(320, 256), w(256, 320)],
                               [True, True, True, True, False, True, True, True], tol)
+            # decode_attention (bf16 / fp16 only on CUDA): 2 sequences at ragged lengths, 2 new tokens each, GQA 4:1
+            q = torch.randn(2, 2, 8, 128, device=d, dtype=torch.bfloat16)
+            kc, vc = (torch.randn(2, 2, 300, 128, device=d, dtype=torch.bfloat16) for _ in range(2))
+            kn, vn = (torch.randn(2, 2, 2, 128, device=d, dtype=torch.bfloat16) for _ in range(2))
+            lens = torch.tensor([37, 250], dtype=torch.int32, device=d)
+            want = decode_attention_reference(q, kc, vc, kn, vn, lens)
+            k_want, v_want = cache_after(kc, kn, lens), cache_after(vc, vn, lens)
+            check("decode_attention", ops.decode_attention(q, kc, vc, kn, vn, lens), want, 1e-2)
+            assert torch.equal(kc, k_want) and torch.equal(vc, v_want), "decode_attention: cache write"
+            ran.add("decode_attention")
             torch.cuda.synchronize(dev)
         assert sys.modules["triton"] is None, "triton was imported"
         print("RAN", sorted(ran))
