@@ -45,8 +45,8 @@ def shared_constants() -> Dict[str, Dict[str, Tuple[int, str]]]:
         "kGatherCols": (gather_rows.GATHER_COLS[False][0], "gather_rows_kernel's BLOCK_C"),
         "kGatherColsColsum": (gather_rows.GATHER_COLS[True][0], "its BLOCK_C with the column sums"),
         "kDecodeReduceCols": (gemm_decode.DECODE_REDUCE_COLS, "decode_reduce_kernel's BLOCK_N"),
-        "kTmaHint": (manifest.HINT, "the divisibility the aligned variants assume of pointers (bytes) and of sizes "
-                                    "and strides (elements); the TMA kernels exist only as aligned variants"),
+        "kHint": (manifest.HINT, "the divisibility the aligned variants assume of pointers (bytes) and of sizes "
+                                 "and strides (elements); the TMA GEMMs and decode attention exist only as these"),
         "kDecodeMaxSplits": (gemm_decode.DECODE_MAX_SPLITS, "the most decode GEMM splits decode_reduce_kernel sums"),
     }}
 

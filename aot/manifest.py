@@ -154,9 +154,12 @@ def _rope_variants() -> List[Variant]:
 def _decode_attention_variants() -> List[Variant]:
     """kernels/decode_attention.py, launched by csrc/ops/decode_attention_cuda.cpp: the attention kernel for every config
     of the tables (block: BLOCK_M x BLOCK_N x HEAD_D; the shape class n is the head dim, m the query rows G * T of a
-    KV head), bf16 and fp16, and the combine of its splits (not configurable). The aligned variant (16-byte aligned
-    tensors, strides multiples of 16 elements: the K / V loop is then pipelined with 16-byte async copies) first,
-    the generic one last; cache_lens carries no hint (a view such as lens[1:] is 4-byte aligned)."""
+    KV head), bf16 and fp16, and the combine of its splits (not configurable). Only the aligned variant (16-byte
+    aligned tensors, strides multiples of 16 elements: the K / V loop is then pipelined with 16-byte async copies),
+    which every tensor a model allocates meets (head dims 64-256): its generic twin cost as many images (each about 7 s
+    of compile time, half of the op's build) for views off 16 bytes only. The launcher copies such a q / k_new /
+    v_new (T <= 16 rows) and refuses such a cache (written in place: no copy can stand in for it). cache_lens carries
+    no hint (a view such as lens[1:] is 4-byte aligned)."""
     from kernels import decode_attention as da
     kernel = "kernels.decode_attention:decode_attention_kernel"
     strides = [f"s{t}_{d}" for t, dims in (("q", "bth"), ("kn", "bth"), ("vn", "bth"), ("kc", "bhs"), ("vc", "bhs"))
@@ -165,14 +168,13 @@ def _decode_attention_variants() -> List[Variant]:
     out, archs_used = [], set()
     for dt in ("bf16", "fp16"):
         args = runtime_args(kernel, dt, types=types)
-        aligned = {n: 16 for n, ty in args if (ty.startswith("*") and n != "lens_ptr") or n in strides}
+        aligned = {n: HINT for n, ty in args if (ty.startswith("*") and n != "lens_ptr") or n in strides}
         for cfg, archs in configs("decode_attention_kernel", "half"):
             bm, bn, d = cfg["block"]
             archs_used.update(archs)
             key = {"dtype": dt, "cfg": config_table.cfg_str(cfg)}
-            for spec in (aligned, {}):
-                out.append(Variant(kernel, key, args, {"HEAD_D": d, "BLOCK_M": bm, "BLOCK_N": bn}, spec, cfg["warps"],
-                                   cfg["stages"], archs))
+            out.append(Variant(kernel, key, args, {"HEAD_D": d, "BLOCK_M": bm, "BLOCK_N": bn}, aligned, cfg["warps"],
+                               cfg["stages"], archs))
     combine = "kernels.decode_attention:decode_attention_combine_kernel"
     for dt in ("bf16", "fp16") if archs_used else ():
         args = runtime_args(combine, dt, types={"lens_ptr": "*i32", "ws_ptr": "*fp32", "ml_ptr": "*fp32"})
@@ -240,7 +242,7 @@ _NO_HINT = {"M", "M_pad", "n_rows", "one_rows", "first_expert", "experts", "up_f
             "has_residual"}
 
 
-HINT = 16  # the divisibility of the aligned variants' hints (C++: fused::routed::kTmaHint)
+HINT = 16  # the divisibility of the aligned variants' hints (C++: fused::routed::kHint)
 
 
 def _aligned(args) -> Dict[str, object]:

@@ -34,7 +34,9 @@ TORCH_LIBRARY(fused, m) {
   // v_new at positions [cache_lens[b], cache_lens[b] + T) of the caches and returns out [B, T, Hq, D] (contiguous, q's
   // dtype): query t of sequence b attends positions 0 .. cache_lens[b] + t (causal among the new tokens), with
   // softmax scale `scale` (default 1/sqrt(D)). cache_lens is not advanced (the caller adds T). CUDA: bf16 / fp16, D
-  // 64, 128 or 256; no host sync and nothing that depends on cache_lens' values on the host (CUDA-graph capturable,
+  // 64, 128 or 256, caches 16-byte aligned with strides that are multiples of 16 elements (any torch allocation; a
+  // view off 16 bytes raises ValueError; such a q / k_new / v_new is copied); no host sync and nothing that depends
+  // on cache_lens' values on the host (CUDA-graph capturable,
   // one graph for every length); a sequence with cache_lens[b] < 0 or cache_lens[b] + T > S gets NaN outputs and no
   // cache write (checking would sync the host: the caller validates lengths up front). CPU: also float32 / float64,
   // any D; such a length raises ValueError naming cache_lens.

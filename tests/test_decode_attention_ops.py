@@ -211,9 +211,9 @@ def test_gpu_matches_reference(gpu_device, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DT_ID.get)
-def test_gpu_unaligned_views_take_the_generic_kernel(gpu_device, dtype):
-    """q / k_new / v_new views that start one element into their storage (not 16-byte aligned: the generic variant)
-    give the same result as aligned copies (within rounding: same math, another compiled variant)."""
+def test_gpu_unaligned_views_are_copied_aligned(gpu_device, dtype):
+    """q / k_new / v_new views that start one element into their storage (not 16-byte aligned; the kernel is compiled
+    for aligned tensors only) are copied by the launcher: the same result as aligned inputs."""
     B, T, Hq, Hkv, D, S = 2, 2, 8, 2, 128, 300
     base = torch.randn(B * T * (Hq + 2 * Hkv) * D + 1, device=gpu_device).to(dtype)
     qkv = base[1:].view(B, T, Hq + 2 * Hkv, D)
@@ -221,6 +221,21 @@ def test_gpu_unaligned_views_take_the_generic_kernel(gpu_device, dtype):
     _, kc, vc, _, _, lens = make_inputs(B, T, Hq, Hkv, D, S, [299 - T, 100], dtype, gpu_device)
     assert q.data_ptr() % 16 != 0
     run_and_check(q, kc, vc, kn, vn, lens, what="unaligned")
+
+
+@pytest.mark.gpu
+def test_gpu_unaligned_cache_is_refused(gpu_device):
+    """A cache view that starts inside a row (not 16-byte aligned) cannot be copied (the op writes it in place): on
+    CUDA it raises ValueError naming the cache, and nothing is written."""
+    B, T, Hq, Hkv, D, S = 2, 1, 8, 2, 128, 64
+    q, kc, vc, kn, vn, lens = make_inputs(B, T, Hq, Hkv, D, S, [5, 9], torch.bfloat16, gpu_device)
+    bad = torch.randn(B * Hkv * S * D + 1, device=gpu_device).to(torch.bfloat16)[1:].view(B, Hkv, S, D)
+    before = bad.clone()
+    with pytest.raises(ValueError, match="k_cache must start 16-byte aligned"):
+        OPS.decode_attention(q, bad, vc, kn, vn, lens)
+    with pytest.raises(ValueError, match="v_cache must start 16-byte aligned"):
+        OPS.decode_attention(q, kc, bad, kn, vn, lens)
+    assert torch.equal(bad, before)
 
 
 @pytest.mark.gpu

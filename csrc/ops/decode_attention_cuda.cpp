@@ -21,6 +21,18 @@ constexpr const char* kKernel = "decode_attention_kernel";
 std::string attention_key(const KernelConfig& cfg, const char* dtype) {
   return std::string("cfg=") + cfg.cfg + ",dtype=" + dtype;
 }
+// The attention kernel is compiled only with its divisibility hints (aot/manifest.py _decode_attention_variants):
+// 16-byte aligned tensors whose strides are multiples of kHint elements. A stride of a size-1 dimension never
+// moves the address, so it is passed as 0.
+int64_t stride_arg(const at::Tensor& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }
+bool hinted(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if (stride_arg(t, d) % routed::kHint != 0) return false;
+  return true;
+}
+// q, k_new, v_new (T <= 16 rows per sequence) that the kernel cannot take are copied into tensors that it can.
+at::Tensor hinted_copy(const at::Tensor& t) { return hinted(t) ? t : t.clone(at::MemoryFormat::Contiguous); }
 std::string combine_key(const char* dtype) {
   return "cols=" + std::to_string(attention::kCombineCols) + ",dtype=" + dtype +
          ",splits=" + std::to_string(attention::kCombineMaxSplits);
@@ -39,6 +51,12 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty({g.B, g.T, g.Hq, g.D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (g.B == 0) return out;
+  for (const auto& [cache, name] : {std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"}})
+    TORCH_CHECK_VALUE(hinted(*cache), "decode_attention: on CUDA ", name, " must start 16-byte aligned with strides that "
+                      "are multiples of ", routed::kHint, " elements (any cache torch allocates; a view of one that "
+                      "starts inside a row does not); got data_ptr % 16 = ",
+                      reinterpret_cast<uintptr_t>(cache->data_ptr()) % 16, ", strides ", cache->strides());
+  const at::Tensor qh = hinted_copy(q), knh = hinted_copy(k_new), vnh = hinted_copy(v_new);
 
   const int device = q.get_device();
   const int64_t G = g.Hq / g.Hkv, R = G * g.T;  // query rows per KV head
@@ -61,15 +79,15 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   void* ml_p = n_split > 1 ? static_cast<void*>(static_cast<float*>(ws_p) + parts * g.D) : ws_p;
 
   kernel_args::decode_attention_kernel args{
-      .q_ptr = q.data_ptr(), .k_new_ptr = k_new.data_ptr(), .v_new_ptr = v_new.data_ptr(),
+      .q_ptr = qh.data_ptr(), .k_new_ptr = knh.data_ptr(), .v_new_ptr = vnh.data_ptr(),
       .k_cache_ptr = k_cache.data_ptr(), .v_cache_ptr = v_cache.data_ptr(), .lens_ptr = cache_lens.data_ptr(),
       .out_ptr = out.data_ptr(), .ws_ptr = ws_p, .ml_ptr = ml_p, .T = g.T, .HKV = g.Hkv, .G = G, .S = g.S,
       .n_split = n_split, .scale = static_cast<float>(decode_attention_scale(scale, g.D)),
-      .sq_b = q.stride(0), .sq_t = q.stride(1), .sq_h = q.stride(2),
-      .skn_b = k_new.stride(0), .skn_t = k_new.stride(1), .skn_h = k_new.stride(2),
-      .svn_b = v_new.stride(0), .svn_t = v_new.stride(1), .svn_h = v_new.stride(2),
-      .skc_b = k_cache.stride(0), .skc_h = k_cache.stride(1), .skc_s = k_cache.stride(2),
-      .svc_b = v_cache.stride(0), .svc_h = v_cache.stride(1), .svc_s = v_cache.stride(2)};
+      .sq_b = stride_arg(qh, 0), .sq_t = stride_arg(qh, 1), .sq_h = stride_arg(qh, 2),
+      .skn_b = stride_arg(knh, 0), .skn_t = stride_arg(knh, 1), .skn_h = stride_arg(knh, 2),
+      .svn_b = stride_arg(vnh, 0), .svn_t = stride_arg(vnh, 1), .svn_h = stride_arg(vnh, 2),
+      .skc_b = stride_arg(k_cache, 0), .skc_h = stride_arg(k_cache, 1), .skc_s = stride_arg(k_cache, 2),
+      .svc_b = stride_arg(v_cache, 0), .svc_h = stride_arg(v_cache, 1), .svc_s = stride_arg(v_cache, 2)};
   launch_on_current_stream(std::move(args), attention_key(cfg, dtype),
                            Grid{static_cast<uint32_t>(g.B * g.Hkv), static_cast<uint32_t>(n_split),
                                 static_cast<uint32_t>(chunks)},

@@ -180,7 +180,7 @@ int64_t max_row_tiles(const Routing& r, int64_t bm) { return r.aligned ? r.M_pad
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 // Rows [M, C] that a TMA kernel reads by pointer (a gather inside the GEMM): its hints need a 16-byte aligned base
 // and a row stride that is a multiple of 16 elements.
-bool hinted_rows(const at::Tensor& t) { return aligned16(t.data_ptr()) && t.stride(0) % kTmaHint == 0; }
+bool hinted_rows(const at::Tensor& t) { return aligned16(t.data_ptr()) && t.stride(0) % kHint == 0; }
 // A bias or residual for a TMA kernel: itself when 16-byte aligned, else an aligned copy (a user's odd view).
 at::Tensor hinted(const at::Tensor& t) {
   return !t.defined() || aligned16(t.data_ptr()) ? t : t.clone(at::MemoryFormat::Contiguous);
@@ -376,7 +376,7 @@ bool Gemm::tma_usable(std::initializer_list<int64_t> dims, bool swiglu) const {
   // TMA itself needs strides of 16 bytes; the TMA kernels are compiled only with the divisibility hints (16
   // elements: aot/manifest.py _both), which the sizes (also the row strides of the buffers made for them) must meet.
   for (int64_t d : dims)
-    if (d <= 0 || d % kTmaHint != 0) return false;
+    if (d <= 0 || d % kHint != 0) return false;
   return tma_kernels(swiglu);
 }
 

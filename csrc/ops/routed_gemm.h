@@ -168,7 +168,7 @@ struct Gemm {
   static Gemm of(at::ScalarType dtype, bool allow_tf32, int cc);
   // Whether the Hopper TMA kernels serve an op whose operands have the inner (contiguous) sizes `dims`: sm_90,
   // a build holding sm_90 images, TMA variants for this dtype/precision (and the TMA swiglu when `swiglu`), every
-  // dim > 0 and a multiple of kTmaHint elements (the TMA kernels' hints), and FUSED_GEMM_TMA not set to 0.
+  // dim > 0 and a multiple of kHint elements (the TMA kernels' hints), and FUSED_GEMM_TMA not set to 0.
   bool tma_usable(std::initializer_list<int64_t> dims, bool swiglu) const;
   // The part of tma_usable that does not depend on the operands: sm_90, a build with its TMA kernels for this
   // dtype/precision (and the TMA swiglu when `swiglu`).
