@@ -7,11 +7,9 @@ fused ops counted in every step. GPU: the same with HF's compiled decode steps (
 model's eager static-cache tokens.
 """
 import copy
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     import transformers
@@ -23,6 +21,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 import fused_ops  # noqa: E402,F401
 from fused_ops import hf  # noqa: E402
+from test_hf_patch import FusedOpCounter  # noqa: E402
 
 #: Llama-3's shape ratios at toy size (GQA 8 / 2 heads of 16, llama3 rope scaling); a wide init, so that greedy
 #: choices are never near ties
@@ -32,18 +31,6 @@ TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=448, num_hidden_l
             rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                                  high_freq_factor=4.0, original_max_position_embeddings=8192))
 NEW = 16
-
-
-class FusedOpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
-        if name.startswith("fused."):
-            self.calls[name.split(".", 1)[1]] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def pair(dtype, device="cpu"):

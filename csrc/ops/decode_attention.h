@@ -39,10 +39,10 @@ double decode_attention_scale(const std::optional<double>& scale, int64_t D);
 int64_t decode_attention_split(int64_t programs, int64_t S, int64_t block_n, int64_t sms);
 
 // Backends: the output [B, T, Hq, D] (contiguous, q's dtype); k_new / v_new written into the caches.
-at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor decode_attention_cpu(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                 const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& cache_lens,
                                 std::optional<double> scale);
-at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor decode_attention_cuda(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                  const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& cache_lens,
                                  std::optional<double> scale);
 

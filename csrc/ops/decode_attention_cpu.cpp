@@ -16,7 +16,7 @@
 
 namespace fused {
 
-at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor decode_attention_cpu(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                 const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& cache_lens,
                                 std::optional<double> scale) {
   const DecodeAttentionGeometry g = check_decode_attention_inputs(q, k_cache, v_cache, k_new, v_new, cache_lens);
@@ -57,11 +57,4 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
 }  // namespace fused
 
 // The op's kernel on this backend, registered here (the schema: csrc/torch_bindings.cpp).
-namespace {
-at::Tensor cpu(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new,
-               const at::Tensor& v_new, const at::Tensor& cache_lens, std::optional<double> scale) {
-  return fused::decode_attention_cpu(q, k_cache, v_cache, k_new, v_new, cache_lens, scale);
-}
-}  // namespace
-
-TORCH_LIBRARY_IMPL(fused, CPU, m) { m.impl("decode_attention", cpu); }
+TORCH_LIBRARY_IMPL(fused, CPU, m) { m.impl("decode_attention", fused::decode_attention_cpu); }

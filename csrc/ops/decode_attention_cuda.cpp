@@ -40,7 +40,7 @@ std::string combine_key(const char* dtype) {
 
 }  // namespace
 
-at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor decode_attention_cuda(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                  const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& cache_lens,
                                  std::optional<double> scale) {
   TORCH_CHECK(q.is_cuda(), "decode_attention: q must be a CUDA tensor, got one on ", q.device());
@@ -119,11 +119,4 @@ std::vector<VariantRequest> decode_attention_requestable_variants(int cc) {
 }  // namespace fused
 
 // The op's kernel on this backend, registered here (the schema: csrc/torch_bindings.cpp).
-namespace {
-at::Tensor cuda(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new,
-                const at::Tensor& v_new, const at::Tensor& cache_lens, std::optional<double> scale) {
-  return fused::decode_attention_cuda(q, k_cache, v_cache, k_new, v_new, cache_lens, scale);
-}
-}  // namespace
-
-TORCH_LIBRARY_IMPL(fused, CUDA, m) { m.impl("decode_attention", cuda); }
+TORCH_LIBRARY_IMPL(fused, CUDA, m) { m.impl("decode_attention", fused::decode_attention_cuda); }

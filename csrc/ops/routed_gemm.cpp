@@ -182,7 +182,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // and a row stride that is a multiple of 16 elements.
 bool hinted_rows(const at::Tensor& t) { return aligned16(t.data_ptr()) && t.stride(0) % kHint == 0; }
 // A bias or residual for a TMA kernel: itself when 16-byte aligned, else an aligned copy (a user's odd view).
-at::Tensor hinted(const at::Tensor& t) {
+at::Tensor hinted_copy(const at::Tensor& t) {
   return !t.defined() || aligned16(t.data_ptr()) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
@@ -551,8 +551,8 @@ StreamK stream_k(const Gemm& g, const KernelConfig& c, int64_t max_tiles, const 
 
 void linear(const Gemm& g, const Routing& r, const Rows& a, Experts& w, const at::Tensor& bias0_in,
             const at::Tensor& bias1_in, const Rows& out, bool w_transposed, bool tma, const at::Tensor& residual_in) {
-  const at::Tensor bias0 = tma ? hinted(bias0_in) : bias0_in, bias1 = tma ? hinted(bias1_in) : bias1_in;
-  const at::Tensor residual = tma ? hinted(residual_in) : residual_in;
+  const at::Tensor bias0 = tma ? hinted_copy(bias0_in) : bias0_in, bias1 = tma ? hinted_copy(bias1_in) : bias1_in;
+  const at::Tensor residual = tma ? hinted_copy(residual_in) : residual_in;
   const int64_t n = w_transposed ? w.cols() : w.rows();  // output columns
   const int64_t k = w_transposed ? w.rows() : w.cols();  // reduction length
   check_rows(r, a, k, "A");
