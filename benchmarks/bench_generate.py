@@ -153,6 +153,35 @@ def count_kernels(run, fn, repeat=1):
     return len(kernels) / repeat
 
 
+def kernel_breakdown(run, fn, ms_per_call):
+    """Where one call of `fn` (a graph replay) spends its device time: torch.profiler's CUDA kernels summed by name,
+    printed largest first with their share of `ms_per_call` (the measured time per step); what the kernels leave of
+    it is the gaps between them (launch latency, dependencies). Returns {name: [us, launches]}."""
+    if not run.cuda or run.args.no_profile:
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    agg = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in e.name.lower() or "memset" in e.name.lower():
+            continue
+        slot = agg.setdefault(e.name[:70], [0.0, 0])
+        slot[0] += e.time_range.elapsed_us()
+        slot[1] += 1
+    total = sum(us for us, _ in agg.values())
+    step_us = ms_per_call * 1e3
+    run.log(f"  kernels of one step: {total:.0f} us of device time in {sum(n for _, n in agg.values())} launches, "
+            f"{total / step_us:.0%} of the {step_us:.0f} us step (the rest: gaps between kernels)")
+    for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:12]:
+        run.log(f"    {us:8.1f} us {us / step_us:5.1%} x{n:<4d} {name}")
+    return agg
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # the engine
 
@@ -178,10 +207,11 @@ def bench_engine(run, lm, case, batch, length, image):
     kernels = count_kernels(run, lambda: lm.model.layers[0].decode(x, text, routing, view, 0))
     graph = next(iter(engine._graphs.values()), None)  # the greedy step of bucket n
     per_step = count_kernels(run, graph.replay) if graph is not None else None
+    breakdown = kernel_breakdown(run, graph.replay, ms) if graph is not None else None
     floor_ms = step_bytes(c, batch, length + steps / 2) / (run.bw_gbs * 1e6) if run.cuda else None
     run.add(case=case, impl="engine (graph per step)" if engine.cuda_graphs else "engine (eager steps)", batch=batch,
             prompt=length, ms_per_token=ms, tokens_per_s=batch * 1e3 / ms, floor_ms=floor_ms,
-            kernels_per_layer=kernels, kernels_per_step=per_step,
+            kernels_per_layer=kernels, kernels_per_step=per_step, kernel_us=breakdown,
             prefill_ms=elapsed_ms(timings, "prefill"))
     del engine, p
     run.free()
