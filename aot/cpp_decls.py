@@ -18,7 +18,7 @@ from aot import config_table
 def shared_constants() -> Dict[str, Dict[str, Tuple[int, str]]]:
     """C++ namespace (in fused) -> C++ name -> (value, what it is), each read from where it is defined."""
     from aot import manifest
-    from kernels import decode_attention, gather_rows, gemm_decode, rope, routing
+    from kernels import decode_attention, gather_rows, gemm_decode, rms_norm, rope, routing
     rope_flags = {"kBshd": (rope.FLAG_BSHD, "bshd layout"), "kBackward": (rope.FLAG_BACKWARD, "the backward (-sin)"),
                   "kHasStart": (rope.FLAG_HAS_START, "start_positions given"),
                   "kCopyPass": (rope.FLAG_COPY_PASS, "copy the channels past the rotary ones through (not in place)")}
@@ -29,7 +29,8 @@ def shared_constants() -> Dict[str, Dict[str, Tuple[int, str]]]:
                  "kSplitCtasPerSm": (da.SPLIT_CTAS_PER_SM, "the split rule: programs per SM it aims at"),
                  "kSplitMinBlocks": (da.SPLIT_MIN_BLOCKS, "the split rule: the fewest key blocks of the capacity "
                                                           "per split")}
-    return {"rope_flags": rope_flags, "attention": attention, "routed": {
+    rms = {"kBlock": (rms_norm.BLOCK, "rms_norm_kernel's BLOCK: row elements per step")}
+    return {"rope_flags": rope_flags, "attention": attention, "rms": rms, "routed": {
         "kAlign": (config_table.ROUTING_ALIGN, "routing ALIGN: expert segments start at multiples of it; every "
                                               "BLOCK_M divides it"),
         "kRowTail": (int(routing.ROW_TAIL), "perm entries past M of an unaligned routing (kernels/routing.py "

@@ -185,6 +185,23 @@ def _decode_attention_variants() -> List[Variant]:
                            4, 1, tuple(sorted(archs_used))))
     return out
 
+def _rms_norm_variants() -> List[Variant]:
+    """kernels/rms_norm.py, launched by csrc/ops/rms_norm_cuda.cpp: one block for every row length, per dtype, an
+    aligned variant (16-byte aligned pointers, N and row strides multiples of HINT elements: 16-byte vector loads; every
+    hidden size a model has) and its generic twin (any N, e.g. a test's odd sizes). The block is not tuned: a row is
+    one program's read, far from any compute limit."""
+    from kernels import rms_norm
+    kernel = "kernels.rms_norm:rms_norm_kernel"
+    out = []
+    for dt in DTYPES:
+        args = runtime_args(kernel, dt, types={"stride_xm": "i64", "stride_om": "i64", "eps": "fp32"})
+        aligned = {"x_ptr": 16, "w_ptr": 16, "out_ptr": 16, "N": HINT, "stride_xm": HINT, "stride_om": HINT}
+        for spec in (aligned, {}):
+            out.append(Variant(kernel, {"dtype": dt, "block": rms_norm.BLOCK}, args, {"BLOCK": rms_norm.BLOCK}, spec,
+                               4, 1))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Routed GEMMs (kernels/routing.py, kernels/gemm_*.py, kernels/gather_rows.py, kernels/grad_weight.py; what they do
 # and their grids: kernels/GEMM.md, which also says which file holds which kernel). Launched by
@@ -505,4 +522,5 @@ def _gemm_variants() -> List[Variant]:
 
 
 def variants() -> List[Variant]:
-    return _rope_variants() + _decode_attention_variants() + _routing_variants() + _gemm_variants()
+    return (_rope_variants() + _decode_attention_variants() + _rms_norm_variants() + _routing_variants()
+            + _gemm_variants())

@@ -42,6 +42,11 @@ TORCH_LIBRARY(fused, m) {
   // any D; such a length raises ValueError naming cache_lens.
   m.def("decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k_new, Tensor v_new, "
         "Tensor cache_lens, float? scale=None) -> Tensor");
+  // RMSNorm over x's last dimension: x * rsqrt(mean(x^2, -1) + eps) * weight, in float32 (float64 for float64) and
+  // rounded once to x's dtype, as torch's F.rms_norm computes it; weight [x.size(-1)] of x's dtype. CUDA: float32,
+  // float16, bfloat16, any strides; one program per row with programmatic dependent launch (a decode step's norms).
+  // Differentiable: with a gradient asked for, torch's at::rms_norm computes it (csrc/ops/rms_norm_autograd.cpp).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // The routing of a bool mask (any shape; M = its number of elements), int32 [shared_routing_size(M)]
   // (csrc/ops/routed_gemm.h): computed once, it serves as the `routing` argument of every routed op (linear_dual, ffn
   // and their backward) on the same mask, which then route nothing. Its contents are trusted on CUDA and checked

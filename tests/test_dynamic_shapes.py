@@ -106,6 +106,7 @@ def decode_attention(q, k_cache, v_cache, k_new, v_new, lens):
     return OPS.decode_attention(q, k_cache, v_cache, k_new, v_new, lens), k_cache, v_cache
 
 
+W_NORM = rand(H)
 CACHE = {0: BATCH, 2: SEQ}  # [b, kv heads, capacity, d]
 NSEQ = Dim("nseq", min=1, max=64)
 CASES = {
@@ -141,6 +142,7 @@ CASES = {
                     lambda q, k: OPS.rope_bwd_qk(*OPS.rope_fwd_qk(q, k, FREQS, "bshd", True), FREQS, "bshd", True),
                     lambda b, s: (rand(b, s, HEADS, D), rand(b, s, 1, D)), (ROWS, ROWS)),
     # thd: the token count and the number of sequences both vary (cu_seqlens [nseq + 1])
+    "rms_norm": (("rms_norm",), lambda x: OPS.rms_norm(x, W_NORM, 1e-6), lambda b, s: (rand(b, s, H),), (ROWS,)),
     "decode_attention": (("decode_attention",), decode_attention, attention_inputs,
                          ({0: BATCH}, CACHE, CACHE, {0: BATCH}, {0: BATCH}, {0: BATCH})),
     "rope_fwd_thd": (("rope_fwd",), lambda t, cu: OPS.rope_fwd(t, FREQS, "thd", cu_seqlens=cu), thd_inputs,

@@ -82,7 +82,8 @@ def test_cuda_path_without_gpu_raises_cleanly():
 
 # Every op of the library that takes tensors, and how the no-JIT test below runs each one.
 EVERY_OP = {"rope_fwd", "rope_bwd", "rope_fwd_", "rope_fwd_qk", "rope_bwd_qk", "linear_dual", "linear_dual_forward",
-            "linear_dual_backward", "ffn", "ffn_forward", "ffn_backward", "route", "decode_attention"}
+            "linear_dual_backward", "ffn", "ffn_forward", "ffn_backward", "route", "decode_attention",
+            "rms_norm"}
 
 
 def test_no_jit_test_covers_every_op():
@@ -186,6 +187,13 @@ def test_cuda_ops_run_without_triton_or_jit(tmp_path):
             check("decode_attention", ops.decode_attention(q, kc, vc, kn, vn, lens), want, 1e-2)
             assert torch.equal(kc, k_want) and torch.equal(vc, v_want), "decode_attention: cache write"
             ran.add("decode_attention")
+            # rms_norm (no gradient asked for: its own kernel), fp32 and bf16
+            for dt, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+                x = torch.randn(3, 4096, device=d, dtype=dt)
+                w = torch.randn(4096, device=d, dtype=dt)
+                want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+                check("rms_norm", ops.rms_norm(x, w, 1e-6), want, tol)
+            ran.add("rms_norm")
             torch.cuda.synchronize(dev)
         assert sys.modules["triton"] is None, "triton was imported"
         print("RAN", sorted(ran))

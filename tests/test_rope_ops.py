@@ -641,9 +641,10 @@ def test_every_tensor_op_is_opchecked():
     from test_decode_attention_ops import OPCHECKED as attention_ops
     from test_ffn_ops import OPCHECKED as ffn_ops
     from test_linear_dual_ops import OPCHECKED as linear_dual_ops
+    from test_rms_norm_ops import OPCHECKED as norm_ops
     from test_route import OPCHECKED as route_ops
 
-    checked = set(OPCHECKED + linear_dual_ops + ffn_ops + route_ops + attention_ops)
+    checked = set(OPCHECKED + linear_dual_ops + ffn_ops + route_ops + attention_ops + norm_ops)
     assert tensor_ops - checked == set(), "ops without an opcheck case"
     assert set(OPCHECKED) <= names
 

@@ -15,12 +15,12 @@
 // routing it returns).
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include "ops/linear_dual.h"
 #include "ops/routed_gemm.h"
+#include "ops/torch_launch.h"
 
 namespace fused {
 namespace {
@@ -51,8 +51,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
   const routed::Gemm g = routed::Gemm::make(x, allow_tf32);
   at::Tensor b0, b1;  // expert 0 = text, 1 = vision; a missing bias of the two is zero
   if (geo.N > 0 && (present(bias_v) || present(bias_t))) {
-    b0 = present(bias_t) ? vec(*bias_t) : at::zeros({geo.N}, x.options());
-    b1 = present(bias_v) ? vec(*bias_v) : at::zeros({geo.N}, x.options());
+    b0 = present(bias_t) ? vec(*bias_t) : zeros_for_reading(geo.N, x);
+    b1 = present(bias_v) ? vec(*bias_v) : zeros_for_reading(geo.N, x);
   }
   // The residual's rows in out's layout ([M, N], row stride N): the epilogue reads it where it writes out.
   at::Tensor res;

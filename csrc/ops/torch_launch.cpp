@@ -1,12 +1,14 @@
 #include "ops/torch_launch.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 namespace fused {
 
@@ -45,6 +47,23 @@ at::Tensor zeroed_flags_for_current_stream(int64_t n, const at::Tensor& like) {
   at::Tensor& f = (*buffers)[key];
   if (!f.defined() || f.numel() < n) f = make();  // a smaller one is freed stream-ordered, after its last kernel
   return f;
+}
+
+at::Tensor zeros_for_reading(int64_t n, const at::Tensor& like) {
+  const auto make = [&](int64_t size) { return at::zeros({size}, like.options()); };
+  static std::mutex mu;
+  static auto* buffers = new std::map<std::pair<int, at::ScalarType>, at::Tensor>();  // leaked: see above
+  const std::pair<int, at::ScalarType> key{like.get_device(), like.scalar_type()};
+  const bool capturing = current_stream_is_capturing(like);
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& z = (*buffers)[key];
+  if (z.defined() && z.numel() >= n) return z.narrow(0, 0, n);
+  if (capturing) return make(n);
+  // A larger one replaces it outside a capture only; the old one is kept alive too, as graphs may read it.
+  static auto* retired = new std::vector<at::Tensor>();
+  if (z.defined()) retired->push_back(z);
+  z = make(std::max<int64_t>(n, 4096));
+  return z.narrow(0, 0, n);
 }
 
 const char* variant_dtype(at::ScalarType t) {

@@ -30,6 +30,13 @@ void fill32_on_current_stream(const at::Tensor& t, uint32_t value);
 // CUDA graph, a fresh zeroed one per call (memory of the graph's pool). The caller holds a device guard.
 at::Tensor zeroed_flags_for_current_stream(int64_t n, const at::Tensor& like);
 
+// A zero vector of at least n elements of like's dtype on like's device, which nothing may write: a bias that one
+// expert lacks (the routed GEMMs read both experts' biases). One per (device, dtype), kept for the process, so that a
+// call allocates and fills nothing (a decode step's QKV with the vision bias only launched a fill kernel per layer).
+// While the current stream captures a CUDA graph and no cached one is large enough, a fresh one per call (memory of
+// the graph's pool, its fill captured with it); the caller holds a device guard.
+at::Tensor zeros_for_reading(int64_t n, const at::Tensor& like);
+
 // The dtype's name in the variant keys ("fp32", "fp16", "bf16"; aot/manifest.py DTYPES), nullptr for a dtype no kernel
 // is compiled for.
 const char* variant_dtype(at::ScalarType t);

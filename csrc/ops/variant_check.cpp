@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ops/decode_attention.h"
+#include "ops/rms_norm.h"
 #include "ops/rope.h"
 #include "ops/routed_gemm.h"
 #include "runtime/kernel_table.h"
@@ -25,6 +26,7 @@ std::vector<std::string> variants(bool only_missing) {
     std::vector<fused::VariantRequest> asked = fused::routed::requestable_variants(arch);
     for (auto& v : fused::rope_requestable_variants(arch)) asked.push_back(std::move(v));
     for (auto& v : fused::decode_attention_requestable_variants(arch)) asked.push_back(std::move(v));
+    for (auto& v : fused::rms_norm_requestable_variants(arch)) asked.push_back(std::move(v));
     for (const auto& v : asked)
       if (!only_missing || !fused::has_variant(v.kernel.c_str(), v.key, arch))
         out.push_back("sm_" + std::to_string(arch) + " " + v.kernel + ": " + v.key);

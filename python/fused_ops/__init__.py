@@ -32,6 +32,7 @@ library_path = _load_library()
 
 from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb, apply_rotary_pos_emb_qk  # noqa: E402
 from .attention import decode_attention  # noqa: E402
+from .norm import rms_norm  # noqa: E402
 from .routed import DualExpertSwiGLU, DualLinear, FusedSwiGLU, ffn, linear_dual, route  # noqa: E402
 
 
@@ -73,4 +74,4 @@ def kernel_config(kernel: str, family: str, m: int, cc: int = 90, n: _Optional[i
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "route", "linear_dual",
            "DualLinear", "ffn", "FusedSwiGLU", "DualExpertSwiGLU", "set_sync_checks", "set_programmatic_launch", "built_archs",
-           "kernel_config", "library_path", "decode_attention"]
+           "kernel_config", "library_path", "decode_attention", "rms_norm"]

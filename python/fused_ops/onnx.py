@@ -28,6 +28,9 @@ never selected, so its NaN/inf cannot leak in). `allow_tf32` is carried for a ke
 `routing` is carried for a kernel; the bodies route from the mask and do not read it. `recompute` concerns autograd
 only and is dropped. What the graph cannot express raises ValueError at translation time, naming the argument.
 
+The decode step's ops (`decode_attention`, `rms_norm`, which only `FusedCogVLM.decode` calls) have no translation:
+torch's exporter names them.
+
 Needs the optional packages onnx and onnxscript (and onnxruntime to run the result); `import fused_ops` never
 imports this module.
 """

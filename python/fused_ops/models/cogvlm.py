@@ -3,7 +3,7 @@
 One decoder layer (CogVLM2's, with `vision_expert=True`):
 
     r   = fused_ops.route(mask)                        once per forward pass, shared by every routed op of every layer
-    a   = RMSNorm(x)                                   F.rms_norm
+    a   = RMSNorm(x)                                   F.rms_norm (decode steps: torch.ops.fused.rms_norm)
     qkv = linear_dual(a, mask, W_qkv [2, N, H], None, b_qkv_vision, None, routing=r)   [b, s, (hq + 2 hk) d]
     q, k = rope_fwd_qk(view q, view k of qkv, freqs, "bshd")    one launch, reads the strided views in place
     o   = SDPA(q, k, v, causal, GQA)                   keys/values through the KV cache when decoding
@@ -57,6 +57,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.weight.shape[0],), self.weight, self.eps)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` for a decode step's few rows: `torch.ops.fused.rms_norm` (the same math), whose kernel costs
+        less than torch's there and launches with programmatic dependent launch like the ops around it."""
+        return torch.ops.fused.rms_norm(x, self.weight, self.eps)
 
 
 class FusedAttention(nn.Module):
@@ -157,8 +162,8 @@ class FusedDecoderLayer(nn.Module):
     def decode(self, x: torch.Tensor, mask: Optional[torch.Tensor], routing: Optional[torch.Tensor],
                cache: DecodeCache, layer: int) -> torch.Tensor:
         """`forward` with the attention's `decode` (positions from `cache.lens`)."""
-        h = self.self_attn.decode(self.input_layernorm(x), mask, routing, cache, layer, residual=x)
-        a = self.post_attention_layernorm(h)
+        h = self.self_attn.decode(self.input_layernorm.decode(x), mask, routing, cache, layer, residual=x)
+        a = self.post_attention_layernorm.decode(h)
         if self.config.vision_expert:
             return self.mlp(a, mask, routing, residual=h)
         return self.mlp(a, residual=h)
@@ -249,7 +254,7 @@ class FusedCogVLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, mask, routing, cache, i)
         cache.lens.add_(x.shape[1])
-        return x if self.norm is None else self.norm(x)
+        return x if self.norm is None else self.norm.decode(x)
 
     # conversion from / to CogVLM's own module names (convert.py) --------------------------------------------------
     @classmethod
