@@ -153,10 +153,12 @@ def count_kernels(run, fn, repeat=1):
     return len(kernels) / repeat
 
 
-def kernel_breakdown(run, fn, ms_per_call):
-    """Where one call of `fn` (a graph replay) spends its device time: torch.profiler's CUDA kernels summed by name,
-    printed largest first with their share of `ms_per_call` (the measured time per step); what the kernels leave of
-    it is the gaps between them (launch latency, dependencies). Returns {name: [us, launches]}."""
+def kernel_breakdown(run, fn, ms_per_call=None, title="one step"):
+    """Where one call of `fn` spends its device time: torch.profiler's CUDA kernels summed by name, printed largest
+    first, with their share of `ms_per_call` (the measured time of a step) when given; what the kernels leave of it is
+    the gaps between them (launch latency, dependencies). With programmatic dependent launch a kernel's time includes
+    its wait for the one before it (they overlap), so the clean per-kernel times come from a call with it off.
+    Returns {name: [us, launches]}."""
     if not run.cuda or run.args.no_profile:
         return None
     import torch
@@ -174,11 +176,16 @@ def kernel_breakdown(run, fn, ms_per_call):
         slot[0] += e.time_range.elapsed_us()
         slot[1] += 1
     total = sum(us for us, _ in agg.values())
-    step_us = ms_per_call * 1e3
-    run.log(f"  kernels of one step: {total:.0f} us of device time in {sum(n for _, n in agg.values())} launches, "
-            f"{total / step_us:.0%} of the {step_us:.0f} us step (the rest: gaps between kernels)")
+    launches = sum(n for _, n in agg.values())
+    if ms_per_call:
+        step_us = ms_per_call * 1e3
+        run.log(f"  kernels of {title}: {total:.0f} us of device time in {launches} launches, {total / step_us:.0%} "
+                f"of the {step_us:.0f} us step (the rest: gaps between kernels)")
+    else:
+        run.log(f"  kernels of {title}: {total:.1f} us of device time in {launches} launches")
     for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:12]:
-        run.log(f"    {us:8.1f} us {us / step_us:5.1%} x{n:<4d} {name}")
+        share = f" {us / (ms_per_call * 1e3):5.1%}" if ms_per_call else ""
+        run.log(f"    {us:8.1f} us{share} x{n:<4d} {name}")
     return agg
 
 
@@ -208,6 +215,14 @@ def bench_engine(run, lm, case, batch, length, image):
     graph = next(iter(engine._graphs.values()), None)  # the greedy step of bucket n
     per_step = count_kernels(run, graph.replay) if graph is not None else None
     breakdown = kernel_breakdown(run, graph.replay, ms) if graph is not None else None
+    if run.cuda:  # one layer's kernels with programmatic dependent launch off: each kernel's own time
+        import fused_ops
+        before = fused_ops.set_programmatic_launch(False)
+        try:
+            kernel_breakdown(run, lambda: lm.model.layers[0].decode(x, text, routing, view, 0),
+                             title="one layer, eager, without PDL")
+        finally:
+            fused_ops.set_programmatic_launch(before)
     floor_ms = step_bytes(c, batch, length + steps / 2) / (run.bw_gbs * 1e6) if run.cuda else None
     run.add(case=case, impl="engine (graph per step)" if engine.cuda_graphs else "engine (eager steps)", batch=batch,
             prompt=length, ms_per_token=ms, tokens_per_s=batch * 1e3 / ms, floor_ms=floor_ms,
