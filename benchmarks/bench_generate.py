@@ -62,6 +62,9 @@ def parse_args(argv=None):
                    help="peers that would start after this many seconds are skipped (the whole run: < 4 minutes)")
     p.add_argument("--small", action="store_true", help="a tiny config on the CPU, end to end (checks, no targets)")
     p.add_argument("--no-profile", action="store_true", help="skip the kernel counts")
+    p.add_argument("--norm-ab", action="store_true",
+                   help="also each case's engine with torch's F.rms_norm in the decode step instead of "
+                        "torch.ops.fused.rms_norm (the A/B behind the op)")
     p.add_argument("--out", metavar="DIR", help="write bench_generate.json there")
     a = p.parse_args(argv)
     cases = CASES if not a.small else SMALL_CASES
@@ -193,7 +196,7 @@ def kernel_breakdown(run, fn, ms_per_call=None, title="one step"):
 # the engine
 
 
-def bench_engine(run, lm, case, batch, length, image):
+def bench_engine(run, lm, case, batch, length, image, label="engine (graph per step)"):
     import torch
     from fused_ops.models import GenerationEngine
     from fused_ops.models.generation import elapsed_ms
@@ -224,7 +227,7 @@ def bench_engine(run, lm, case, batch, length, image):
         finally:
             fused_ops.set_programmatic_launch(before)
     floor_ms = step_bytes(c, batch, length + steps / 2) / (run.bw_gbs * 1e6) if run.cuda else None
-    run.add(case=case, impl="engine (graph per step)" if engine.cuda_graphs else "engine (eager steps)", batch=batch,
+    run.add(case=case, impl=label if engine.cuda_graphs else label.replace("graph per step", "eager steps"), batch=batch,
             prompt=length, ms_per_token=ms, tokens_per_s=batch * 1e3 / ms, floor_ms=floor_ms,
             kernels_per_layer=kernels, kernels_per_step=per_step, kernel_us=breakdown,
             prefill_ms=elapsed_ms(timings, "prefill"))
@@ -431,6 +434,17 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - reported, the run goes on
                 common.record_error(run.errors, f"{case} engine", e)
                 run.free()
+            if args.norm_ab:
+                from fused_ops.models.cogvlm import RMSNorm
+                fused_norm = RMSNorm.decode
+                RMSNorm.decode = RMSNorm.forward  # F.rms_norm: the decode step before torch.ops.fused.rms_norm
+                try:
+                    bench_engine(run, lm, case, batch, length, image, label="A/B: engine (graph per step), torch's rms_norm")
+                except Exception as e:  # noqa: BLE001
+                    common.record_error(run.errors, f"{case} engine with torch's rms_norm", e)
+                    run.free()
+                finally:
+                    RMSNorm.decode = fused_norm
             if "eager" in args.peer_list:
                 if run.left_s() < 20:
                     run.log(f"{case} eager peer skipped (time budget)")

@@ -20,7 +20,7 @@ from torch import nn
 
 import fused_ops  # noqa: F401  (loads the library that registers torch.ops.fused.*)
 from fused_ops.ffn import DualExpertSwiGLU, FusedSwiGLU, ffn
-from device_helpers import block_of, poison_allocator, split_counts, sync
+from device_helpers import block_of, poison_allocator, requested_bytes, split_counts, sync
 from reference_routed import (MASK_KINDS, check_grad, check_out, ffn_reference, make_mask, reference_grads, rel_err,
                               strided_view)
 
@@ -704,10 +704,10 @@ def test_weights_read_in_place(gpu_device, M, layout):
     OPS.ffn(x, *op_args(w, mask))  # warm
     sync(gpu_device)
     torch.cuda.reset_peak_memory_stats(gpu_device)
-    base = torch.cuda.memory_allocated(gpu_device)
+    base = requested_bytes(gpu_device)
     out = OPS.ffn(x, *op_args(w, mask))
     sync(gpu_device)
-    extra = torch.cuda.max_memory_allocated(gpu_device) - base - out.untyped_storage().nbytes()
+    extra = requested_bytes(gpu_device, "peak") - base - out.untyped_storage().nbytes()
     # h [M, I] and the routing, and far less than a copy of any projection's two experts (2 I H elements)
     assert extra < M * I * 2 + I * H, f"{layout}: peak extra {extra} B (h is {M * I * 2} B): the weights were copied?"
     copy_ops = ("aten::stack", "aten::copy_", "aten::clone", "aten::cat")
@@ -744,11 +744,11 @@ def test_forward_peak_memory(gpu_device, mask_kind):
     poison_allocator(gpu_device, 4 * M * I)
     sync(gpu_device)
     torch.cuda.reset_peak_memory_stats(gpu_device)
-    base = torch.cuda.memory_allocated(gpu_device)
+    base = requested_bytes(gpu_device)
     with torch.no_grad():
         out = OPS.ffn(x, *op_args(w, mask))
     sync(gpu_device)
-    extra = torch.cuda.max_memory_allocated(gpu_device) - base - out.untyped_storage().nbytes()
+    extra = requested_bytes(gpu_device, "peak") - base - out.untyped_storage().nbytes()
 
     def block(n):  # the caching allocator's granularity
         return -(-n // 512) * 512

@@ -66,9 +66,12 @@ def test_static_cache_greedy_equals_unpatched():
     assert torch.equal(got, want)
 
 
-def test_static_cache_compiled_reduce_overhead_on_gpu(gpu_device):
+def test_static_cache_compiled_reduce_overhead_on_gpu(gpu_device, monkeypatch):
     """HF's compiled decode steps (static cache, torch.compile mode="reduce-overhead") over the patched model: the
     unpatched model's greedy tokens (float32, TF32 off)."""
+    # The interpreter tests set TRITON_INTERPRET=1 for the whole pytest process; inductor's Triton kernels (CUDA) must
+    # be compiled, not interpreted (Triton reads the variable when a kernel is created).
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     torch.backends.cuda.matmul.allow_tf32 = False
     ref, model = pair(torch.float32, gpu_device)
     ids, mask = prompts(gpu_device)

@@ -14,7 +14,7 @@ import torch
 
 import fused_ops  # also loads the library that registers torch.ops.fused.*
 from fused_ops.linear_dual import DualLinear, linear_dual
-from device_helpers import block_of, poison_allocator, split_counts, sync, tail_of
+from device_helpers import block_of, poison_allocator, requested_bytes, split_counts, sync, tail_of
 from reference_routed import (MASK_KINDS, check_grad, check_out, linear_dual_reference, make_mask, reference_grads,
                               rel_err, strided_view)
 
@@ -519,10 +519,10 @@ def test_weights_read_in_place(gpu_device, M, layout):
     OPS.linear_dual(x, mask, v, t)  # warm
     sync(gpu_device)
     torch.cuda.reset_peak_memory_stats(gpu_device)
-    base = torch.cuda.memory_allocated(gpu_device)
+    base = requested_bytes(gpu_device)
     out = OPS.linear_dual(x, mask, v, t)
     sync(gpu_device)
-    extra = torch.cuda.max_memory_allocated(gpu_device) - base - out.untyped_storage().nbytes()
+    extra = requested_bytes(gpu_device, "peak") - base - out.untyped_storage().nbytes()
     gathered_x = (M + 256) * K * x.element_size()
     assert extra < wv.numel() * wv.element_size() // 4 + gathered_x + _stream_k_workspace(gpu_device, M, N, K), \
         f"peak extra {extra} B: the weights were copied?"

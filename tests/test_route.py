@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fused_ops
-from device_helpers import poison_allocator, sync
+from device_helpers import poison_allocator, requested_bytes, sync
 from reference_routed import MASK_KINDS, ffn_reference, linear_dual_reference, make_mask, rel_err, strided_view
 from test_ffn_ops import make_weights as ffn_weights
 from test_linear_dual_ops import make_weights as linear_dual_weights
@@ -291,10 +291,10 @@ def test_ffn_forward_peak_memory_with_routing(gpu_device, mask_kind):
         poison_allocator(gpu_device, 4 * M * I)
         sync(gpu_device)
         torch.cuda.reset_peak_memory_stats(gpu_device)
-        base = torch.cuda.memory_allocated(gpu_device)
+        base = requested_bytes(gpu_device)
         out = mlp(x, mask, routing)
         sync(gpu_device)
-    extra = torch.cuda.max_memory_allocated(gpu_device) - base - out.untyped_storage().nbytes()
+    extra = requested_bytes(gpu_device, "peak") - base - out.untyped_storage().nbytes()
     bound = -(-(M * I * 2) // 512) * 512  # the caching allocator's granularity
     assert extra <= bound, f"peak extra {extra} B > {bound} B (h [M, I] = {M * I * 2} B)"
     with torch.no_grad():
