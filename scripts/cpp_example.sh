@@ -8,9 +8,10 @@
 #   bash scripts/cpp_example.sh
 #
 # Environment: VPY, a Python with torch, triton (build time) and fused_ops, skips the set-up of .venv
-# (scripts/setup_env.sh, which otherwise runs first); FUSED_CMAKE_BUILD (default build/cmake); FUSED_ARCHS (default
-# auto: aot/compile.py resolve_archs); MAX_JOBS. Works offline. Exit status: 0 all passed (CUDA entries may show as skipped without a GPU),
-# 1 a failure, 3 cmake is not installed (nothing was built).
+# (scripts/setup_env.sh, which otherwise runs first); FUSED_CMAKE_BUILD (default build/cmake, the tree the pip build,
+# setup.py, made the library in where cmake is installed: with the same FUSED_ARCHS only the examples compile);
+# FUSED_ARCHS (default auto: aot/compile.py resolve_archs); MAX_JOBS. Works offline. Exit status: 0 all passed (CUDA
+# entries may show as skipped without a GPU), 1 a failure, 3 cmake is not installed (nothing was built).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -z "${VPY:-}" ]; then

@@ -1,16 +1,21 @@
 """CMakeLists.txt builds the same op library for libtorch C++ users, and the C++ deployment examples with it.
 
-One build (in a tmp folder, for the architectures of the installed package) serves every test here: the library loads from Python; `ctest` runs the C++
-examples (examples/cpp: TorchScript inference, AOTInductor inference of one package at every length from 1 to 8192
-tokens, training) on the CPU, and on CUDA when a GPU is visible
-(skipped otherwise, and checked to be reported as skipped); and the installed package config works for a separate
-consumer project (find_package + target_link_libraries), whose program runs without LD_LIBRARY_PATH.
+One build (for the architectures of the installed package) serves every test here: the library loads from Python;
+`ctest` runs the C++ examples (examples/cpp: TorchScript inference, AOTInductor inference of one package at every
+length from 1 to 8192 tokens, training) on the CPU, and on CUDA when a GPU is visible (skipped otherwise, and checked
+to be reported as skipped); and the installed package config works for a separate consumer project (find_package +
+target_link_libraries), whose program runs without LD_LIBRARY_PATH.
 
-The AOT step reuses the pip build's kernel cache (build/aot/cache, through FUSED_AOT_CACHE) when there is one, and
+That build is the pip build's CMake tree (build/cmake, or $FUSED_CMAKE_BUILD: setup.py builds the library there
+when cmake is installed, and installs it as fused_ops/_C) when there is one: configured again with the same options,
+it rebuilds only what changed since (nothing, right after scripts/test.sh's build), then the examples; the install
+goes to a tmp folder. Without that tree (e.g. a package built by setuptools) it is a new tree in a tmp folder. Either
+way the AOT step reuses the pip build's kernel cache (build/aot/cache, through FUSED_AOT_CACHE) when there is one, and
 builds the installed package's architectures, so that the build compiles C++ only; without the cache, it AOT-compiles
 them from scratch.
 """
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -21,6 +26,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_AOT_CACHE = os.path.join(ROOT, "build", "aot", "cache")
+PIP_CMAKE_BUILD = os.environ.get("FUSED_CMAKE_BUILD") or os.path.join(ROOT, "build", "cmake")  # setup.py's
 CUDA = torch.cuda.is_available()
 
 
@@ -56,10 +62,12 @@ def cmake_build(tmp_path_factory):
     """(build folder, install prefix) of one configure + build + install."""
     pytest.importorskip("triton")  # the AOT step needs it at build time
     base = tmp_path_factory.mktemp("cmake")
-    build, prefix = base / "build", base / "install"
+    build, prefix, gen = base / "build", base / "install", generator()
+    if os.path.isfile(os.path.join(PIP_CMAKE_BUILD, "CMakeCache.txt")):
+        build, gen = pathlib.Path(PIP_CMAKE_BUILD), []  # the pip build's tree; its generator stays
     cache = [f"-DFUSED_AOT_CACHE={REPO_AOT_CACHE}"] if os.path.isdir(REPO_AOT_CACHE) else []
-    run(["cmake", "-S", ROOT, "-B", str(build), *generator(), f"-DPython3_EXECUTABLE={sys.executable}",
-         f"-DFUSED_ARCHS={package_archs()}", "-DCMAKE_BUILD_TYPE=Release", *cache])
+    run(["cmake", "-S", ROOT, "-B", str(build), *gen, f"-DPython3_EXECUTABLE={sys.executable}",
+         f"-DFUSED_ARCHS={package_archs()}", "-DCMAKE_BUILD_TYPE=Release", "-DFUSED_BUILD_EXAMPLES=ON", *cache])
     run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)], timeout=1500)
     run(["cmake", "--install", str(build), "--prefix", str(prefix)])
     return build, prefix
