@@ -21,6 +21,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 import fused_ops  # noqa: E402,F401
 from fused_ops import hf  # noqa: E402
+from fresh_process import run_fresh  # noqa: E402
 from test_hf_patch import FusedOpCounter  # noqa: E402
 
 #: Llama-3's shape ratios at toy size (GQA 8 / 2 heads of 16, llama3 rope scaling); a wide init, so that greedy
@@ -66,21 +67,26 @@ def test_static_cache_greedy_equals_unpatched():
     assert torch.equal(got, want)
 
 
-def test_static_cache_compiled_reduce_overhead_on_gpu(gpu_device, monkeypatch):
+def test_static_cache_compiled_reduce_overhead_on_gpu(gpu_device):
     """HF's compiled decode steps (static cache, torch.compile mode="reduce-overhead") over the patched model: the
-    unpatched model's greedy tokens (float32, TF32 off)."""
-    # The interpreter tests set TRITON_INTERPRET=1 for the whole pytest process; inductor's Triton kernels (CUDA) must
-    # be compiled, not interpreted (Triton reads the variable when a kernel is created).
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    ref, model = pair(torch.float32, gpu_device)
-    ids, mask = prompts(gpu_device)
-    kw = dict(attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
-              cache_implementation="static")
-    compiled = transformers.CompileConfig(mode="reduce-overhead", fullgraph=True)
-    with torch.no_grad():
-        want = ref.generate(ids, disable_compile=True, **kw)
-        for _ in range(2):  # the first call compiles, the second replays the CUDA graphs
-            got = model.generate(ids, compile_config=compiled, **kw)
-    assert getattr(model, "_compiled_call", None) is not None, "HF did not compile the decode steps"
-    assert torch.equal(got, want)
+    unpatched model's greedy tokens (float32, TF32 off). In a fresh process (fresh_process.run_fresh): in a pytest
+    process that ran the interpreter tests, Triton's own jit functions exist in interpreter mode and inductor's CUDA
+    kernels cannot be compiled there."""
+    r = run_fresh(f"""
+        import torch, transformers
+        from test_generate_hf import NEW, pair, prompts
+        torch.backends.cuda.matmul.allow_tf32 = False
+        ref, model = pair(torch.float32, {gpu_device!r})
+        ids, mask = prompts({gpu_device!r})
+        kw = dict(attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                  cache_implementation="static")
+        compiled = transformers.CompileConfig(mode="reduce-overhead", fullgraph=True)
+        with torch.no_grad():
+            want = ref.generate(ids, disable_compile=True, **kw)
+            for _ in range(2):  # the first call compiles, the second replays the CUDA graphs
+                got = model.generate(ids, compile_config=compiled, **kw)
+        assert getattr(model, "_compiled_call", None) is not None, "HF did not compile the decode steps"
+        assert torch.equal(got, want), (got, want)
+        print("OK")
+    """, triton=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
