@@ -3,7 +3,7 @@
 One decoder layer (CogVLM2's, with `vision_expert=True`):
 
     r   = fused_ops.route(mask)                        once per forward pass, shared by every routed op of every layer
-    a   = RMSNorm(x)                                   F.rms_norm (decode steps: torch.ops.fused.rms_norm)
+    a   = RMSNorm(x)                                   F.rms_norm (decode steps of 2+ rows: torch.ops.fused.rms_norm)
     qkv = linear_dual(a, mask, W_qkv [2, N, H], None, b_qkv_vision, None, routing=r)   [b, s, (hq + 2 hk) d]
     q, k = rope_fwd_qk(view q, view k of qkv, freqs, "bshd")    one launch, reads the strided views in place
     o   = SDPA(q, k, v, causal, GQA)                   keys/values through the KV cache when decoding
@@ -59,8 +59,14 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (self.weight.shape[0],), self.weight, self.eps)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` for a decode step's few rows: `torch.ops.fused.rms_norm` (the same math), whose kernel costs
-        less than torch's there and launches with programmatic dependent launch like the ops around it."""
+        """`forward` for a decode step's rows: `torch.ops.fused.rms_norm` (the same math), whose kernel costs less
+        than torch's there and launches with programmatic dependent launch like the ops around it; torch's kernel
+        for a single row. Measured in one run each (H200, the 32-layer CogVLM2 step's CUDA graph, 8K caches,
+        `benchmarks/bench_generate.py --norm-ab`): with this op 1.4%, 1.0% and 2.8% less time per step at batch 2, 4
+        and 16 (3% at batch 64 / 1K), but 4.3-4.5% more at batch 1 (5.67 against 5.43 ms; two runs), although its
+        kernel alone takes 3.3 us there against torch's 6.9. Why the single-row graph is slower is not known."""
+        if x.numel() == x.shape[-1]:  # one row
+            return self(x)
         return torch.ops.fused.rms_norm(x, self.weight, self.eps)
 
 
