@@ -142,8 +142,9 @@ def step_bytes(config, batch, cached, dtype_bytes=2):
     return (weights + kv) * dtype_bytes
 
 
-def count_kernels(run, fn, repeat=1):
-    """CUDA kernels that `fn` launches (torch.profiler), over `repeat`."""
+def cuda_kernels(run, fn):
+    """torch.profiler's CUDA kernel events of one call of `fn` (after one unprofiled call), copies and memsets left
+    out; None without CUDA or with --no-profile."""
     if not run.cuda or run.args.no_profile:
         return None
     import torch
@@ -153,9 +154,14 @@ def count_kernels(run, fn, repeat=1):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    return len(kernels) / repeat
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+
+
+def count_kernels(run, fn, repeat=1):
+    """CUDA kernels that `fn` launches (torch.profiler), over `repeat`."""
+    kernels = cuda_kernels(run, fn)
+    return None if kernels is None else len(kernels) / repeat
 
 
 def kernel_breakdown(run, fn, ms_per_call=None, title="one step"):
@@ -164,19 +170,11 @@ def kernel_breakdown(run, fn, ms_per_call=None, title="one step"):
     the gaps between them (launch latency, dependencies). With programmatic dependent launch a kernel's time includes
     its wait for the one before it (they overlap), so the clean per-kernel times come from a call with it off.
     Returns {name: [us, launches]}."""
-    if not run.cuda or run.args.no_profile:
+    kernels = cuda_kernels(run, fn)
+    if kernels is None:
         return None
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
     agg = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in e.name.lower() or "memset" in e.name.lower():
-            continue
+    for e in kernels:
         slot = agg.setdefault(e.name[:70], [0.0, 0])
         slot[0] += e.time_range.elapsed_us()
         slot[1] += 1
